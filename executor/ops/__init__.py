@@ -1,0 +1,79 @@
+"""The fused-op interface model code calls: `ops.rms_norm(...)`, `ops.attention(...)`, ...
+
+Why an indirection: model files must not branch on the device. Each op name maps to one
+implementation in the active table; `use("reference")` (default, plain PyTorch, runs
+everywhere) or `use("npu")` (torch_npu fused kernels, registered by executor.backends.npu).
+The table is chosen once per run by the backend, never inside model code.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from executor.ops import reference
+
+OP_NAMES = ("rms_norm", "add_rms_norm", "swiglu", "rotary_mul", "attention",
+            "moe_gating_top_k_softmax", "moe_init_routing", "grouped_matmul")
+
+_TABLES: dict[str, dict[str, Callable]] = {
+    "reference": {name: getattr(reference, name) for name in OP_NAMES},
+}
+_active: dict[str, Callable] = dict(_TABLES["reference"])
+_active_name = ["reference"]
+
+
+def register(name: str, table: dict[str, Callable]) -> None:
+    """Register an implementation table; ops it does not provide fall back to the reference
+    (explicitly, so `implementations()` shows which op runs where)."""
+    unknown = set(table) - set(OP_NAMES)
+    if unknown:
+        raise ValueError(f"unknown ops {sorted(unknown)}; known: {', '.join(OP_NAMES)}")
+    _TABLES[name] = {**_TABLES["reference"], **table}
+
+
+def use(name: str) -> None:
+    if name not in _TABLES:
+        raise ValueError(f"op implementation {name!r} is not registered; registered: {', '.join(_TABLES)}")
+    _active.clear()
+    _active.update(_TABLES[name])
+    _active_name[0] = name
+
+
+def active() -> str:
+    return _active_name[0]
+
+
+def implementations() -> dict[str, str]:
+    """Which module implements each op right now (recorded in metrics.json)."""
+    return {name: f"{fn.__module__}.{fn.__name__}" for name, fn in _active.items()}
+
+
+def rms_norm(x, weight, eps):
+    return _active["rms_norm"](x, weight, eps)
+
+
+def add_rms_norm(x, residual, weight, eps):
+    return _active["add_rms_norm"](x, residual, weight, eps)
+
+
+def swiglu(x):
+    return _active["swiglu"](x)
+
+
+def rotary_mul(x, cos, sin):
+    return _active["rotary_mul"](x, cos, sin)
+
+
+def attention(q, k, v, mask, scale):
+    return _active["attention"](q, k, v, mask, scale)
+
+
+def moe_gating_top_k_softmax(logits, k):
+    return _active["moe_gating_top_k_softmax"](logits, k)
+
+
+def moe_init_routing(x, expert_idx, num_experts):
+    return _active["moe_init_routing"](x, expert_idx, num_experts)
+
+
+def grouped_matmul(x, weights, counts):
+    return _active["grouped_matmul"](x, weights, counts)

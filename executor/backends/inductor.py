@@ -1,0 +1,205 @@
+"""Portable graph mode and SuperKernel on CPU/CUDA, built on torch.compile (Inductor).
+
+ge_graph: the whole decode step is captured once (`fullgraph=True, dynamic=False`) and
+compiled by Inductor; every graph compiled is counted so recompiles show up in metrics.
+
+SuperKernel: the scope markers (executor.scope) arrive in the FX graph. We split the graph at
+them and compile each scope segment as ONE launch unit: on CPU with Inductor's C++ wrapper
+(all the segment's kernels are called from one C++ function: no Python between them), on CUDA
+captured as one CUDA graph (Inductor cudagraphs). Code outside scopes keeps Inductor's default
+Python wrapper, which dispatches every kernel from Python: that per-kernel overhead is exactly
+what SuperKernel removes on Ascend, so the comparison is like for like.
+
+A node that cannot join a scope (data-dependent output shape, e.g. nonzero/masked_select)
+cuts the scope into segments around it, as GE does with unfusable ops. Option
+`strict-scope-check=abort` turns that into an error naming the op and scope; `bypass` runs
+the whole scope unfused with a warning.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.fx.passes.split_module import split_module
+
+from executor.scope import SCOPE_ENTER, SCOPE_EXIT, parse_options, set_scope_impl
+
+_MARKERS = (SCOPE_ENTER, SCOPE_EXIT, torch.ops.sk.scope_enter, torch.ops.sk.scope_exit)
+
+
+class ScopeCheckError(Exception):
+    """strict-scope-check=abort found an op that cannot join its scope."""
+
+
+@dataclass
+class ScopeStats:
+    label: str
+    options: str
+    ops: int = 0
+    segments: int = 0
+    unfused: bool = False
+    cut_reasons: list[str] = field(default_factory=list)
+    launches: int = 0  # segment launches executed (proof that the fused path really ran)
+
+    def as_dict(self) -> dict:
+        return {"label": self.label, "options": self.options, "ops": self.ops, "segments": self.segments,
+                "unfused": self.unfused, "cut_reasons": self.cut_reasons, "launches": self.launches}
+
+
+@dataclass
+class CompileStats:
+    graphs: int = 0
+    compile_s: float = 0.0
+    scopes: dict[str, ScopeStats] = field(default_factory=dict)
+
+
+def _blocker(node: torch.fx.Node) -> str | None:
+    """Why `node` cannot run inside a single launch unit, or None."""
+    value = node.meta.get("example_value")
+    if value is not None and free_unbacked_symbols(value):
+        return f"{node.target if node.op == 'call_function' else node.target!s} has a data-dependent output shape"
+    return None
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    target = node.target
+    return getattr(target, "__name__", str(target))
+
+
+class _Segment(torch.nn.Module):
+    """One partition of the split graph, compiled on first call with the real inputs."""
+
+    def __init__(self, gm: torch.fx.GraphModule, fused: bool, device: str, stats: ScopeStats | None):
+        super().__init__()
+        self.gm, self.fused, self.device, self.stats = gm, fused, device, stats
+        self.fn: Callable | None = None
+
+    def forward(self, *args):
+        if self.fn is None:
+            from torch._inductor import config as inductor_config
+            from torch._inductor.compile_fx import compile_fx
+
+            patch = {}
+            if self.fused:
+                patch = {"triton.cudagraphs": True} if self.device == "cuda" else {"cpp_wrapper": True}
+            with inductor_config.patch(patch):
+                self.fn = compile_fx(self.gm, list(args))
+        if self.stats is not None and self.fused:
+            self.stats.launches += 1
+        return self.fn(*args)
+
+
+class InductorBackend:
+    """Dynamo backend object: counts graphs and, with SuperKernel, splits at scope markers."""
+
+    def __init__(self, superkernel: bool, device: str):
+        self.superkernel, self.device = superkernel, device
+        self.stats = CompileStats()
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        self.stats.graphs += 1
+        if not self.superkernel:
+            from torch._inductor.compile_fx import compile_fx
+            return compile_fx(gm, example_inputs)
+        return self._split(gm)
+
+    def _split(self, gm: torch.fx.GraphModule):
+        partition: dict[torch.fx.Node, int] = {}
+        fused: dict[int, ScopeStats | None] = {}
+        current, scope = 0, None
+        fused[0] = None
+
+        def start(stats: ScopeStats | None):
+            nonlocal current
+            current += 1
+            fused[current] = stats
+
+        for node in list(gm.graph.nodes):
+            if node.op == "call_function" and node.target in _MARKERS:
+                if node.target in (SCOPE_ENTER, torch.ops.sk.scope_enter):
+                    label, options = node.args
+                    scope = self.stats.scopes.setdefault(label, ScopeStats(label, options))
+                    bypass = parse_options(options).get("strict-scope-check") == "bypass"
+                    scope.unfused = scope.unfused or bypass and self._scope_blocked(node)
+                    start(None if scope.unfused else scope)
+                else:
+                    scope = None
+                    start(None)
+                gm.graph.erase_node(node)
+                continue
+            if node.op in ("placeholder", "output"):
+                continue
+            if scope is not None:
+                scope.ops += 1
+                reason = _blocker(node)
+                if reason and not scope.unfused:
+                    mode = parse_options(scope.options).get("strict-scope-check")
+                    if mode == "abort":
+                        raise ScopeCheckError(f"scope {scope.label!r}: op {_op_name(node)} cannot join a "
+                                              f"SuperKernel ({reason}); strict-scope-check=abort")
+                    scope.cut_reasons.append(f"cut at {_op_name(node)}: {reason}")
+                    start(None)
+                    partition[node] = current
+                    start(scope)
+                    continue
+            partition[node] = current
+        gm.recompile()
+        used = set(partition.values())
+        for s in self.stats.scopes.values():
+            s.segments = sum(1 for p in used if fused.get(p) is s)
+        split = split_module(gm, None, lambda n: partition[n], keep_original_order=True)
+        for name, sub in list(split.named_children()):
+            index = int(name.rsplit("_", 1)[1])
+            stats = fused.get(index)
+            setattr(split, name, _Segment(sub, stats is not None, self.device, stats))
+        return split
+
+    def _scope_blocked(self, enter: torch.fx.Node) -> bool:
+        """bypass: look ahead to the scope's exit; if any op blocks, the whole scope runs unfused."""
+        node = enter.next
+        while node.op != "output" and node.target not in (SCOPE_EXIT, torch.ops.sk.scope_exit):
+            reason = _blocker(node)
+            if reason:
+                warnings.warn(f"SuperKernel scope {enter.args[0]!r} runs unfused: op {_op_name(node)} "
+                              f"cannot join it ({reason}); strict-scope-check=bypass", stacklevel=2)
+                return True
+            node = node.next
+        return False
+
+
+class CompiledStep:
+    """A compiled decode step plus what compiling it did (for metrics.json)."""
+
+    def __init__(self, fn: Callable, backend: InductorBackend | None, name: str):
+        self.backend, self.name = backend, name
+        self._fn = fn
+        self.calls = 0
+        self.graphs_after_first_call = 0
+
+    def __call__(self, *args):
+        graphs_before = self.backend.stats.graphs if self.backend else 0
+        t0 = time.perf_counter()
+        out = self._fn(*args)
+        if self.backend is not None:
+            new = self.backend.stats.graphs - graphs_before
+            if self.calls == 0:
+                self.backend.stats.compile_s = time.perf_counter() - t0
+            else:
+                self.graphs_after_first_call += new
+        self.calls += 1
+        return out
+
+    @property
+    def recompiles(self) -> int:
+        return self.graphs_after_first_call
+
+
+def compile_ge(step: Callable, superkernel: bool, device: str) -> CompiledStep:
+    set_scope_impl(None)  # marker ops
+    backend = InductorBackend(superkernel, device)
+    compiled = torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
+    return CompiledStep(compiled, backend, "inductor+superkernel" if superkernel else "inductor")

@@ -1,0 +1,245 @@
+"""Hardware detection: which accelerator runs the recipe, and which Ascend SoC it is.
+
+Why a module of its own: the NPU backend only works on Atlas A2/A3 (SuperKernel scopes are
+documented for A2/A3 only; some fused ops differ per SoC), yet the project is developed and
+tested on machines without an NPU. ``torch_npu`` cannot even be imported there (it needs the
+CANN libraries), so it is imported lazily, only inside :func:`detect`, and every other piece
+of evidence (``npu-smi`` text, the CANN install file) is parsed by pure functions that the
+tests exercise with recorded samples.
+"""
+from __future__ import annotations
+
+import glob
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+
+DEVICES = ("auto", "cpu", "cuda", "npu")
+_SOC_LABEL = {"A2": "Atlas A2", "A3": "Atlas A3", "950": "Ascend 950"}
+_BUS_ID = re.compile(r"^[0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-9A-Fa-f]$")
+
+
+class PlatformError(Exception):
+    """A requested device cannot be used here; the message says why in one line."""
+
+
+@dataclass(frozen=True)
+class Platform:
+    kind: str  # "cpu" | "cuda" | "npu"
+    soc_class: str | None  # npu only: "A2" | "A3" | "950" | "unknown"
+    device_name: str
+    reason: str  # one line: how it was detected
+
+    @property
+    def is_a3(self) -> bool:
+        return self.kind == "npu" and self.soc_class == "A3"
+
+    def describe(self) -> str:
+        label = _SOC_LABEL.get(self.soc_class or "")
+        return f"{self.kind} ({label}, {self.device_name})" if label else f"{self.kind} ({self.device_name})"
+
+
+@dataclass(frozen=True)
+class NpuChip:
+    npu_id: int
+    chip_id: int
+    name: str
+    bus_id: str
+
+
+def soc_class_from_name(name: str) -> str:
+    """Map a SoC name (``Ascend910B3``, ``Ascend910_9392``, npu-smi's ``910B3``) to its class."""
+    n = name.strip()
+    if not n.lower().startswith("ascend"):
+        n = "Ascend" + n
+    n = n.lower()
+    if n.startswith("ascend910b"):
+        return "A2"
+    if n.startswith("ascend910_93"):
+        return "A3"
+    if n.startswith("ascend950"):
+        return "950"
+    return "unknown"
+
+
+def parse_npu_smi(text: str) -> list[NpuChip]:
+    """Parse the device table of ``npu-smi info``.
+
+    Each NPU is an ``| <npu> <name> | <health> |`` row followed by chip rows whose second cell is
+    a PCI bus id (A2: ``| <chip> |``, A3: ``| <chip> <phy-id> |``, two chips per NPU). Rows of
+    other tables (processes) never carry a bus id, so they are skipped.
+    """
+    chips: list[NpuChip] = []
+    npu_id: int | None = None
+    name = ""
+    for line in text.splitlines():
+        line = line.strip()
+        if not line.startswith("|"):
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) < 2:
+            continue
+        first = cells[0].split()
+        if not first or not first[0].isdigit():
+            continue
+        if _BUS_ID.match(cells[1]):
+            if npu_id is not None:
+                chips.append(NpuChip(npu_id, int(first[0]), name, cells[1]))
+        elif len(first) >= 2 and re.search(r"[A-Za-z]", first[1]):
+            npu_id, name = int(first[0]), first[1]
+    return chips
+
+
+def soc_class_from_npu_smi(text: str) -> str:
+    """Classify from ``npu-smi info``: names ``910B*`` mean A2; A3 lists ``Ascend910`` with two
+    chips per NPU under a ``Chip  Phy-ID`` header (the bare name alone is ambiguous)."""
+    chips = parse_npu_smi(text)
+    for chip in chips:
+        cls = soc_class_from_name(chip.name)
+        if cls != "unknown":
+            return cls
+    ids = [c.npu_id for c in chips]
+    bare_910 = bool(chips) and all(c.name.lower() in ("ascend910", "910") for c in chips)
+    if re.search(r"Chip\s+Phy-ID", text) or (bare_910 and max(map(ids.count, ids)) >= 2):
+        return "A3"
+    return "unknown"
+
+
+def parse_npu_smi_board(text: str) -> str | None:
+    """Full SoC name from ``npu-smi info -t board -i 0 -c 0`` (A3: ``Ascend910`` + ``_9392``)."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        m = re.match(r"^\s*([A-Za-z][A-Za-z ]*?)\s*:\s*(.*?)\s*$", line)
+        if m:
+            fields.setdefault(m.group(1).lower(), m.group(2))
+    chip = fields.get("chip name", "")
+    if not chip:
+        return None
+    if not chip.lower().startswith("ascend"):
+        chip = "Ascend" + chip
+    npu = fields.get("npu name", "")
+    if npu and npu.lower() not in ("na", "n/a", "-") and npu not in chip:
+        chip = f"{chip}_{npu}"
+    return chip
+
+
+def _run_npu_smi(*args: str) -> str | None:
+    exe = shutil.which("npu-smi")
+    if not exe:
+        return None
+    try:
+        res = subprocess.run([exe, *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return res.stdout if res.returncode == 0 else None
+
+
+def _npu_platform(torch_npu) -> Platform:
+    """Name the SoC: torch_npu first, then npu-smi's board view, then its table."""
+    try:
+        name = str(torch_npu.npu.get_device_name())
+        return Platform("npu", soc_class_from_name(name), name,
+                        f"torch_npu.npu.get_device_name() = {name}")
+    except Exception as exc:  # a broken driver must not hide the NPU itself
+        first_error = f"get_device_name() failed ({type(exc).__name__})"
+    board = _run_npu_smi("info", "-t", "board", "-i", "0", "-c", "0")
+    name = parse_npu_smi_board(board) if board else None
+    if name:
+        return Platform("npu", soc_class_from_name(name), name,
+                        f"{first_error}; npu-smi board: Chip/NPU Name = {name}")
+    table = _run_npu_smi("info")
+    chips = parse_npu_smi(table) if table else []
+    if chips:
+        return Platform("npu", soc_class_from_npu_smi(table), chips[0].name,
+                        f"{first_error}; npu-smi info lists {len(chips)} chip(s) named {chips[0].name}")
+    return Platform("npu", "unknown", "Ascend (unknown SoC)", f"{first_error}; npu-smi unavailable")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return "cpu"
+
+
+def _try_torch_npu() -> tuple[object | None, str]:
+    """Import torch_npu if present; returns (module or None, one-line reason)."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return None, "torch_npu not installed"
+    try:
+        mod = importlib.import_module("torch_npu")
+    except Exception as exc:  # typically missing CANN libraries
+        first = (str(exc).splitlines() or [""])[0]
+        return None, f"import torch_npu failed: {type(exc).__name__}: {first}"
+    if not mod.npu.is_available():
+        return None, "torch_npu imported but torch.npu.is_available() = False"
+    return mod, "torch.npu.is_available() = True"
+
+
+def detect(device: str = "auto") -> Platform:
+    """Resolve ``device`` to a Platform; an explicit request that cannot be met raises."""
+    if device not in DEVICES:
+        raise PlatformError(f"unknown device {device!r}; allowed: {', '.join(DEVICES)}")
+    if device in ("auto", "npu"):
+        mod, why = _try_torch_npu()
+        if mod is not None:
+            return _npu_platform(mod)
+        if device == "npu":
+            raise PlatformError(f"device='npu' requested but {why}")
+    else:
+        why = "npu not requested"
+    if device in ("auto", "cuda"):
+        if torch.cuda.is_available():
+            name = torch.cuda.get_device_name(0)
+            return Platform("cuda", None, name, f"{why}; torch.cuda.get_device_name(0) = {name}")
+        if device == "cuda":
+            raise PlatformError("device='cuda' requested but torch.cuda.is_available() = False")
+    name = _cpu_name()
+    how = "requested explicitly" if device == "cpu" else f"{why}; torch.cuda.is_available() = False"
+    return Platform("cpu", None, name, f"{how}; cpu model from /proc/cpuinfo: {name}")
+
+
+def cann_version(toolkit_root: str | None = None) -> str | None:
+    """CANN version from ``<root>/<arch>-linux/ascend_toolkit_install.info`` (``version=...``)."""
+    root = toolkit_root or os.environ.get("ASCEND_HOME_PATH") or "/usr/local/Ascend/ascend-toolkit/latest"
+    for info in sorted(glob.glob(os.path.join(root, "*-linux", "ascend_toolkit_install.info"))):
+        try:
+            with open(info, encoding="utf-8", errors="replace") as fh:
+                for line in fh:
+                    key, sep, value = line.partition("=")
+                    if sep and key.strip() == "version" and value.strip():
+                        return value.strip()
+        except OSError:
+            continue
+    return None
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def software_versions() -> dict[str, str | None]:
+    """Versions for run reports; torch_npu is looked up in metadata, never imported."""
+    return {
+        "python": "%d.%d.%d" % sys.version_info[:3],
+        "torch": torch.__version__,
+        "torch_npu": _dist_version("torch_npu"),
+        "cann": cann_version(),
+        "transformers": _dist_version("transformers"),
+    }

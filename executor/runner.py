@@ -1,0 +1,248 @@
+"""Generic runner: tokenize -> prefill (eager, no scopes) -> compiled decode loop on a static KV
+cache -> timings, cann-recipes-infer log lines and metrics.json.
+
+A recipe's runner_<name>.py subclasses `ModelRunner` to say how to build its model; all the
+measurement logic lives here once so every recipe is timed the same way.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import resource
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, TextIO
+
+import torch
+
+from executor import logs, ops
+from executor.arch import REPO_ROOT, ModelArch, load_arch
+from executor.compile import compile_decode, prepare_platform, timer
+from executor.config import RunConfig, to_dict
+from executor.kv_cache import KVCache
+from executor.loader import init_random, load_weights
+from executor.platform import Platform, software_versions
+from executor.scope import PREFILL_SCOPES, NO_PLAN, ScopePlan, ScopeRunner, build_plan
+from executor.tokenizer import BUILTIN_TOKENIZER, Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[list[int]]
+    token_ids: list[list[int]]  # generated tokens per row
+    prefill_ms: float
+    decode_ms: list[float]      # one per decode step (the first token comes from prefill)
+    first_logits: torch.Tensor  # (B, V) fp32 logits of the prefill's last real token
+    last_logits: torch.Tensor   # (B, V) logits of the last decode step
+
+
+class ModelRunner:
+    recipe = "base"
+    model_types: tuple[str, ...] = ()
+
+    def build_model(self, arch: ModelArch) -> torch.nn.Module:  # overridden by each recipe
+        raise NotImplementedError
+
+    def remap_weights(self, state: dict) -> dict:
+        """Hook for recipe-specific checkpoint layouts (e.g. stacking MoE experts)."""
+        return state
+
+    def __init__(self, cfg: RunConfig, platform: Platform, out_dir: Path | None = None,
+                 stream: TextIO | None = None):
+        self.cfg, self.platform, self.out_dir = cfg, platform, out_dir
+        self.stream = stream or sys.stdout
+        mc = cfg.model_config
+        self.name, self.dtype = mc.model_name, DTYPES[mc.dtype]
+        self.device = torch.device(platform.kind if platform.kind != "npu" else "npu")
+        self.arch = load_arch(mc.model_path, mc.debug_size)
+        if self.model_types and self.arch.model_type not in self.model_types:
+            raise ValueError(f"{self.arch.source}: model_type {self.arch.model_type!r} does not belong to the "
+                             f"{self.recipe} recipe (it runs {', '.join(self.model_types)})")
+        torch.manual_seed(mc.seed)
+        prepare_platform(platform, mc)
+        self.model = self.build_model(self.arch).to(self.dtype)
+        if mc.with_ckpt:
+            load_weights(self.model, mc.model_path, self.dtype, self.remap_weights)
+        else:
+            init_random(self.model, mc.seed)
+        self.model.to(self.device).eval()
+        self.tokenizer = Tokenizer.from_file(self._tokenizer_path())
+        sk = mc.superkernel
+        self.plan: ScopePlan = (build_plan(self.model.regions(), sk.plan, sk.options, sk.custom, mc.model_name)
+                                if sk.enable else NO_PLAN)
+        self.decode_scopes = ScopeRunner(self.plan, active=True)
+        self.cache: KVCache | None = None
+        self.backend = None
+        self.now = timer(platform)
+
+    def _tokenizer_path(self) -> Path:
+        mc = self.cfg.model_config
+        if mc.tokenizer_path:
+            return Path(mc.tokenizer_path)
+        if mc.model_path and (Path(mc.model_path) / "tokenizer.json").is_file():
+            return Path(mc.model_path) / "tokenizer.json"
+        if mc.model_path and mc.with_ckpt:
+            from executor.tokenizer import TokenizerError
+            raise TokenizerError(f"{mc.model_path}: tokenizer.json not found (set model_config.tokenizer_path)")
+        return Path(BUILTIN_TOKENIZER)
+
+    # ------------------------------------------------------------------ model steps
+    def log(self, line: str) -> None:
+        print(line, file=self.stream, flush=True)
+
+    def prompts(self) -> list[str]:
+        dc = self.cfg.data_config
+        prompts = list(dc.prompts)
+        if dc.dataset:
+            path = Path(dc.dataset)
+            if not path.is_file():
+                raise FileNotFoundError(f"data_config.dataset: {path} does not exist")
+            prompts = [line for line in path.read_text().splitlines() if line.strip()]
+        b = self.cfg.scheduler_config.batch_size
+        return [prompts[i % len(prompts)] for i in range(b)]
+
+    def _decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(B, 1) tokens at (B, 1) positions -> (B, V) logits. The function that gets compiled."""
+        hidden = self.model(input_ids, positions, self.cache, self.decode_scopes)
+        return self.model.logits(hidden[:, -1])
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], max_new_tokens: int,
+                 on_step: Callable[[int, float], None] | None = None) -> Generation:
+        b = len(prompt_ids)
+        lengths = torch.tensor([len(p) for p in prompt_ids], device=self.device)
+        s = int(lengths.max())
+        if max_new_tokens > self.cfg.scheduler_config.max_new_tokens:
+            raise ValueError(f"max_new_tokens {max_new_tokens} exceeds scheduler_config.max_new_tokens")
+        if self.cache is None or self.cache.k[0].shape[0] != b:
+            # Sized from config only, so every call has the same shapes (no recompiles). Reusing
+            # it is safe: each slot a query can see is rewritten by this call before it is read.
+            max_len = self.cfg.data_config.input_max_len + self.cfg.scheduler_config.max_new_tokens
+            self.cache = KVCache(len(self.model.layers), b, self.arch.num_kv_heads, max_len,
+                                 self.arch.head_dim, self.dtype, self.device)
+        if self.backend is None:
+            self.backend = compile_decode(self._decode_step, self.cfg.model_config, self.platform)
+        ids = torch.zeros(b, s, dtype=torch.long, device=self.device)  # right-padded
+        for i, p in enumerate(prompt_ids):
+            ids[i, :len(p)] = torch.tensor(p)
+        positions = torch.arange(s, device=self.device).expand(b, s)
+        t0 = self.now()
+        hidden = self.model(ids, positions, self.cache, PREFILL_SCOPES)
+        first_logits = self.model.logits(hidden[torch.arange(b), lengths - 1])
+        prefill_ms = (self.now() - t0) * 1e3
+        token = first_logits.argmax(-1, keepdim=True)                  # (B, 1)
+        out, step_ms, logits = [token], [], first_logits
+        pos = lengths.view(b, 1).clone()
+        for i in range(max_new_tokens - 1):
+            t0 = self.now()
+            logits = self.backend.step(token, pos)
+            step_ms.append((self.now() - t0) * 1e3)
+            token = logits.argmax(-1, keepdim=True)
+            out.append(token)
+            pos += 1
+            if on_step:
+                on_step(i, step_ms[-1])
+        tokens = torch.cat(out, dim=1).tolist()
+        return Generation(prompt_ids, tokens, prefill_ms, step_ms, first_logits, logits)
+
+    def encode_prompts(self) -> list[list[int]]:
+        limit = self.cfg.data_config.input_max_len
+        encoded = [self.tokenizer.encode(p)[-limit:] for p in self.prompts()]
+        if any(not e for e in encoded):
+            raise ValueError("data_config.prompts: a prompt encodes to zero tokens")
+        return encoded
+
+    # ------------------------------------------------------------------ the whole run
+    def run(self) -> dict:
+        sc, mc = self.cfg.scheduler_config, self.cfg.model_config
+        prompt_ids = self.encode_prompts()
+        self.log(f"[run] {mc.model_name}: {self.arch.model_type} from {self.arch.source}, "
+                 f"{'checkpoint' if mc.with_ckpt else 'random'} weights, {mc.dtype}, platform {self.platform.describe()}, "
+                 f"exe_mode {mc.exe_mode}, superkernel {'plan ' + self.plan.name if mc.superkernel.enable else 'off'}")
+        # Warm-up on the same shapes: compiles the decode step (idempotent: same tokens, same slots).
+        t0 = self.now()
+        self.generate(prompt_ids, min(2, sc.max_new_tokens))
+        warmup_s = self.now() - t0
+        self.log(f"[run] warm-up (compile) took {warmup_s:.2f} s")
+        profiler = self._profiler()
+        with profiler:
+            gen = self.generate(prompt_ids, sc.max_new_tokens,
+                                on_step=lambda i, ms: self.log(logs.format_decode(self.name, ms)))
+        self.log(logs.format_prefill(self.name, gen.prefill_ms))
+        steps = len(gen.decode_ms)
+        tps = sc.batch_size * steps / (sum(gen.decode_ms) / 1e3) if steps else None
+        if steps:
+            self.log(logs.format_average(self.name, logs.decode_average_ms(gen.decode_ms)))
+            self.log(logs.format_throughput(self.name, tps))
+        self.log(logs.format_run_shape(self.name, sc.batch_size, steps))
+        texts = [self.tokenizer.decode(self._until_eos(t)) for t in gen.token_ids]
+        for prompt, text in zip(self.prompts(), texts):
+            self.log(f"[prompt] {prompt!r}\n[output] {text!r}")
+        metrics = self._metrics(gen, texts, tps, warmup_s)
+        if self.out_dir is not None:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+            if mc.enable_profiler:
+                profiler.export_chrome_trace(str(self.out_dir / "decode_trace.json"))
+            write_scope_report(self.out_dir, metrics["superkernel"])
+        return metrics
+
+    def _profiler(self):
+        if not self.cfg.model_config.enable_profiler:
+            import contextlib
+            return contextlib.nullcontext()
+        return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+
+    def _until_eos(self, tokens: list[int]) -> list[int]:
+        eos = self.tokenizer.eos_token_id
+        return tokens[:tokens.index(eos)] if eos is not None and eos in tokens else tokens
+
+    def _metrics(self, gen: Generation, texts: list[str], tps: float | None, warmup_s: float) -> dict:
+        mc = self.cfg.model_config
+        stats = self.backend.stats()
+        peak = (torch.cuda.max_memory_allocated() / 2**20 if self.platform.kind == "cuda"
+                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        ran = bool(stats.get("superkernel_ran")) and mc.superkernel.enable
+        return {
+            "model_name": mc.model_name, "recipe": self.recipe, "model_type": self.arch.model_type,
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "platform": self.platform.kind, "soc_class": self.platform.soc_class,
+            "device_name": self.platform.device_name, "platform_reason": self.platform.reason,
+            "versions": software_versions(), "torch_version": torch.__version__,
+            "exe_mode": mc.exe_mode, "backend": self.backend.name, "dtype": mc.dtype,
+            "ops": ops.implementations(),
+            "superkernel": {"requested": mc.superkernel.enable, "ran": ran, "plan": self.plan.name,
+                            "options": mc.superkernel.options,
+                            "scopes": stats.get("scopes", [{"label": s.label, "region": s.region, "options": s.options}
+                                                           for s in self.plan.scopes])},
+            "regions": [r.name for r in self.model.regions()],
+            "compile": {k: v for k, v in stats.items() if k not in ("scopes", "superkernel_ran")} | {"warmup_s": round(warmup_s, 3)},
+            "batch_size": len(gen.token_ids), "decode_steps": len(gen.decode_ms),
+            "prefill_ms": gen.prefill_ms, "decode_ms": gen.decode_ms,
+            "decode_ms_median": statistics.median(gen.decode_ms) if gen.decode_ms else None,
+            "decode_ms_average": logs.decode_average_ms(gen.decode_ms) if gen.decode_ms else None,
+            "tokens_per_s": tps, "peak_memory_mb": round(peak, 1),
+            "prompt_token_ids": gen.prompt_ids, "generated_token_ids": gen.token_ids, "text": texts,
+            "config": to_dict(self.cfg),
+        }
+
+
+def write_scope_report(out_dir: Path, sk: dict) -> None:
+    """Per-scope report (label, options, ops, segments, why cut) next to metrics.json."""
+    lines = [f"# SuperKernel scopes: plan {sk['plan']}, requested {sk['requested']}, ran {sk['ran']}", "",
+             "| label | options | ops | segments | launches | unfused | cut reasons |", "|---|---|---|---|---|---|---|"]
+    for s in sk["scopes"]:
+        lines.append(f"| {s['label']} | {s.get('options') or '-'} | {s.get('ops', '-')} | {s.get('segments', '-')} | "
+                     f"{s.get('launches', '-')} | {s.get('unfused', '-')} | {'; '.join(s.get('cut_reasons', [])) or '-'} |")
+    (out_dir / "superkernel_scopes.md").write_text("\n".join(lines) + "\n")
+
+
+def default_out_dir(cfg: RunConfig, recipe: str) -> Path:
+    mc = cfg.model_config
+    now = datetime.datetime.now()
+    case = f"{mc.exe_mode}_{'sk-' + mc.superkernel.plan if mc.superkernel.enable else 'nosk'}_{now:%H%M%S}"
+    return REPO_ROOT / "models" / recipe / "res" / f"{now:%Y-%m-%d}" / case

@@ -1,0 +1,248 @@
+"""SuperKernel scopes: the options grammar, regions, scope plans and `superkernel_scope`.
+
+Model files only *declare* regions (`ctx.scopes.region("layer_3_attn")`); a scope plan chosen in
+config decides which regions become SuperKernel scopes, and only in decode (prefill never runs
+inside a scope, as in cann-recipes-infer). What entering a scope does depends on the backend
+that compiled the decode step, installed once with `set_scope_impl`:
+
+- "marker" (CPU/CUDA portable backend): side-effecting `sk.scope_enter/scope_exit` ops that
+  survive into the FX graph, where the backend splits the graph and compiles each scope as one
+  launch unit;
+- "torchair" / "npugraph_ex" (Ascend): `executor.backends.npu` supplies a context factory that
+  calls `torchair.scope.super_kernel` or `torch.npu.super_kernel_scope_begin/end`.
+"""
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+from dataclasses import dataclass
+from typing import Callable, ContextManager, Iterable
+
+import torch
+
+# --------------------------------------------------------------------------- options grammar
+_BINARY = ("0", "1")
+_AIC_AIV_RATIOS = ("1:0", "0:1", "1:1", "1:2")
+# torchair passes these through to GE unparsed; we check them here so a typo fails early.
+OPTIONS: dict[str, str] = {
+    "feed-sync-all": "0 or 1",
+    "stream-fusion": "0 or 1",
+    "strict-scope-check": "bypass or abort",
+    "dcci-before-kernel-start": "comma separated op types, e.g. GroupedMatmul,MoeGatingTopK",
+    "dcci-after-kernel-end": "comma separated op types",
+    "dcci-disable-on-kernel": "comma separated op types",
+    "debug-aic-num": "positive integer",
+    "debug-aiv-num": "positive integer",
+}
+
+
+class ScopeError(Exception):
+    """A scope option/plan problem; one line naming the key and what is allowed."""
+
+
+def parse_options(options: str, key: str = "superkernel.options") -> dict[str, str]:
+    """Parse and validate `opt=val:opt=val` (list values comma separated)."""
+    parsed: dict[str, str] = {}
+    if not options:
+        return parsed
+    allowed = "; ".join(f"{k}={v}" for k, v in OPTIONS.items())
+    for item in options.split(":"):
+        if "=" not in item:
+            raise ScopeError(f"{key}: {item!r} is not opt=val; allowed options: {allowed}")
+        name, value = (s.strip() for s in item.split("=", 1))
+        if name not in OPTIONS:
+            raise ScopeError(f"{key}: unknown option {name!r}; allowed options: {allowed}")
+        ok = True
+        if name in ("feed-sync-all", "stream-fusion"):
+            ok = value in _BINARY
+        elif name == "strict-scope-check":
+            ok = value in ("bypass", "abort")
+        elif name.startswith("dcci-"):
+            ok = all(part.strip().isidentifier() for part in value.split(","))
+        elif name.startswith("debug-"):
+            ok = value.isdigit() and int(value) > 0
+        if not ok:
+            raise ScopeError(f"{key}: {name}={value!r} is not allowed; {name} takes {OPTIONS[name]}")
+        parsed[name] = value
+    if "debug-aic-num" in parsed and "debug-aiv-num" in parsed:
+        aic, aiv = int(parsed["debug-aic-num"]), int(parsed["debug-aiv-num"])
+        ratios = {tuple(map(int, r.split(":"))) for r in _AIC_AIV_RATIOS}
+        if not any(aic * b == aiv * a for a, b in ratios):
+            raise ScopeError(f"{key}: debug-aic-num:debug-aiv-num must be one of {', '.join(_AIC_AIV_RATIOS)}")
+    return parsed
+
+
+# --------------------------------------------------------------------------- marker ops
+# Schema ops with no outputs; registered as side-effecting so dead-code elimination keeps
+# them and they reach the backend's FX graph in program order.
+_lib = torch.library.Library("sk", "DEF")
+_lib.define("scope_enter(str label, str options) -> ()")
+_lib.define("scope_exit(str label) -> ()")
+_lib.impl("scope_enter", lambda label, options: None, "CompositeExplicitAutograd")
+_lib.impl("scope_exit", lambda label: None, "CompositeExplicitAutograd")
+SCOPE_ENTER = torch.ops.sk.scope_enter.default
+SCOPE_EXIT = torch.ops.sk.scope_exit.default
+for _op in (SCOPE_ENTER, SCOPE_EXIT, torch.ops.sk.scope_enter, torch.ops.sk.scope_exit):
+    torch.fx.node.has_side_effect(_op)
+
+
+class _MarkerScope:
+    """Portable scope: brackets the region with marker ops (a plain class so dynamo traces it)."""
+
+    def __init__(self, label: str, options: str):
+        self.label, self.options = label, options
+
+    def __enter__(self):
+        torch.ops.sk.scope_enter(self.label, self.options)
+        return self
+
+    def __exit__(self, *exc):
+        torch.ops.sk.scope_exit(self.label)
+        return False
+
+
+class _NoScope:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+ScopeFactory = Callable[[str, str], ContextManager]
+_scope_factory: ScopeFactory = _MarkerScope
+
+
+def set_scope_impl(factory: ScopeFactory | None) -> None:
+    """Install what entering a scope does (backends call this; None restores the markers)."""
+    global _scope_factory
+    _scope_factory = factory or _MarkerScope
+
+
+def superkernel_scope(enable: bool, label: str, options: str = "") -> ContextManager:
+    """The documented Ascend idiom: a SuperKernel scope when enabled, else a no-op context."""
+    if not enable:
+        return _NoScope()  # a fresh object: dynamo only enters context managers created in the traced code
+    return _scope_factory(label, options)
+
+
+# --------------------------------------------------------------------------- regions and plans
+REGION_KINDS = ("attention", "mlp", "moe", "layer", "decoder")
+
+
+@dataclass(frozen=True)
+class Region:
+    """A part of the decode path a model offers for a scope. `name` is also the default label."""
+
+    name: str  # "decode_layers", "layer_3", "layer_3_attn", "layer_3_mlp", "layer_3_moe"
+    kind: str  # one of REGION_KINDS
+    layer: int | None = None
+
+
+def decoder_regions(num_layers: int, ffn_kinds: Iterable[str]) -> list[Region]:
+    """The standard region set of a decoder-only model; ffn_kinds[i] is "mlp" or "moe"."""
+    regions = [Region("decode_layers", "decoder")]
+    for i, ffn in enumerate(ffn_kinds):
+        regions += [Region(f"layer_{i}", "layer", i), Region(f"layer_{i}_attn", "attention", i),
+                    Region(f"layer_{i}_{ffn}", ffn, i)]
+    assert len(regions) == 1 + 3 * num_layers
+    return regions
+
+
+@dataclass(frozen=True)
+class ScopeSpec:
+    region: str
+    label: str
+    options: str
+
+
+@dataclass(frozen=True)
+class ScopePlan:
+    name: str  # "none", a built-in plan name or "custom"
+    scopes: tuple[ScopeSpec, ...]
+
+    def by_region(self) -> dict[str, ScopeSpec]:
+        return {s.region: s for s in self.scopes}
+
+    @property
+    def labels(self) -> list[str]:
+        return sorted({s.label for s in self.scopes})
+
+
+NO_PLAN = ScopePlan("none", ())
+
+
+def _contains(outer: Region, inner: Region) -> bool:
+    if outer.kind == "decoder":
+        return inner.kind != "decoder"
+    return outer.kind == "layer" and inner.layer == outer.layer and inner.kind != "layer"
+
+
+def build_plan(regions: list[Region], plan: str, options: str = "",
+               custom: Iterable = (), model_name: str = "model") -> ScopePlan:
+    """Turn a plan name (or custom selectors) into the scopes to open, validated against regions."""
+    if plan == "custom":
+        specs: list[ScopeSpec] = []
+        names = [r.name for r in regions]
+        for i, entry in enumerate(custom):
+            parse_options(entry.options, key=f"superkernel.custom[{i}].options")
+            for pattern in entry.regions:
+                hits = fnmatch.filter(names, pattern)
+                if not hits:
+                    raise ScopeError(f"superkernel.custom[{i}].regions: {pattern!r} matches no region of "
+                                     f"{model_name}; regions are e.g. {', '.join(names[:5])}, ...")
+                specs += [ScopeSpec(h, entry.label, entry.options or options) for h in hits]
+    else:
+        kinds = {"attention": "attention", "mlp": "mlp", "moe": "moe", "layer": "layer", "decoder": "decoder"}
+        if plan not in kinds:
+            raise ScopeError(f"superkernel.plan: {plan!r} is not a plan; allowed values: "
+                             f"{', '.join(list(kinds) + ['custom'])}")
+        specs = [ScopeSpec(r.name, r.name, options) for r in regions if r.kind == kinds[plan]]
+        if not specs:
+            present = sorted({r.kind for r in regions} - {"layer", "decoder"})
+            raise ScopeError(f"superkernel.plan: {plan!r} marks no region of {model_name}; "
+                             f"it has {', '.join(present)} regions (plans: attention, {', '.join(k for k in present if k != 'attention')}, layer, decoder, custom)")
+    by_name = {r.name: r for r in regions}
+    seen: dict[str, ScopeSpec] = {}
+    for spec in specs:
+        if spec.region in seen:
+            raise ScopeError(f"superkernel.custom: region {spec.region} is selected twice")
+        seen[spec.region] = spec
+    for a in seen:
+        for b in seen:
+            if a != b and _contains(by_name[a], by_name[b]):
+                raise ScopeError(f"superkernel.custom: regions {a} and {b} are nested; "
+                                 "a region may be in at most one scope")
+    return ScopePlan(plan, tuple(specs))
+
+
+class ScopeRunner:
+    """What model code talks to: `with scopes.region(name):` opens a scope iff the plan marks it.
+
+    `active` is False during prefill so that prefill never runs inside a scope.
+    """
+
+    def __init__(self, plan: ScopePlan = NO_PLAN, active: bool = False):
+        self.plan = plan
+        self.active = active
+        self._specs = plan.by_region()
+
+    def region(self, name: str) -> ContextManager:
+        spec = self._specs.get(name) if self.active else None
+        if spec is None:
+            return _NoScope()  # a fresh object: dynamo only enters context managers created in the traced code
+        return superkernel_scope(True, spec.label, spec.options)
+
+
+PREFILL_SCOPES = ScopeRunner(NO_PLAN, active=False)
+
+
+@contextlib.contextmanager
+def scope_impl(factory: ScopeFactory | None):
+    """Temporarily install a scope implementation (tests, NPU adapter)."""
+    previous = _scope_factory
+    set_scope_impl(factory)
+    try:
+        yield
+    finally:
+        set_scope_impl(previous)
