@@ -188,6 +188,9 @@ class CompiledStep:
             new = self.backend.stats.graphs - graphs_before
             if self.calls == 0:
                 self.backend.stats.compile_s = time.perf_counter() - t0
+                if self.backend.stats.graphs == 0:  # dynamo gave up (e.g. recompile limit): never run eager silently
+                    raise RuntimeError("the decode step was not compiled (torch._dynamo skipped it); "
+                                       "see TORCH_LOGS=recompiles")
             else:
                 self.graphs_after_first_call += new
         self.calls += 1
@@ -200,6 +203,10 @@ class CompiledStep:
 
 def compile_ge(step: Callable, superkernel: bool, device: str) -> CompiledStep:
     set_scope_impl(None)  # marker ops
+    # Every runner compiles the same code object (ModelRunner._decode_step); several runners in
+    # one process (tests, benchmarks) each add a cache entry, so lift dynamo's per-code limit.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
     backend = InductorBackend(superkernel, device)
     compiled = torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
     return CompiledStep(compiled, backend, "inductor+superkernel" if superkernel else "inductor")
