@@ -18,14 +18,14 @@ EXIT_USAGE = 2
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean "bad input or impossible request", not a bug."""
     from executor.arch import ArchError
-    from executor.backends.inductor import ScopeCheckError
+    from executor.backends.inductor import GraphBreakError, ScopeCheckError
     from executor.compile import UnsupportedError
     from executor.config import ConfigError
     from executor.loader import LoadError
     from executor.platform import PlatformError
     from executor.scope import ScopeError
     from executor.tokenizer import TokenizerError
-    return (ArchError, ConfigError, LoadError, PlatformError, ScopeError, ScopeCheckError, TokenizerError,
+    return (ArchError, ConfigError, GraphBreakError, LoadError, PlatformError, ScopeError, ScopeCheckError, TokenizerError,
             UnsupportedError, FileNotFoundError, ValueError)
 
 

@@ -35,6 +35,10 @@ class ScopeCheckError(Exception):
     """strict-scope-check=abort found an op that cannot join its scope."""
 
 
+class GraphBreakError(Exception):
+    """The decode step cannot be captured as one graph (GE mode needs fullgraph)."""
+
+
 @dataclass
 class ScopeStats:
     label: str
@@ -61,8 +65,12 @@ def _blocker(node: torch.fx.Node) -> str | None:
     """Why `node` cannot run inside a single launch unit, or None."""
     value = node.meta.get("example_value")
     if value is not None and free_unbacked_symbols(value):
-        return f"{node.target if node.op == 'call_function' else node.target!s} has a data-dependent output shape"
+        return "its output shape is data-dependent"
     return None
+
+
+def _is_tensor(node: torch.fx.Node) -> bool:
+    return isinstance(node.meta.get("example_value"), torch.Tensor)
 
 
 def _op_name(node: torch.fx.Node) -> str:
@@ -73,10 +81,13 @@ def _op_name(node: torch.fx.Node) -> str:
 class _Segment(torch.nn.Module):
     """One partition of the split graph, compiled on first call with the real inputs."""
 
-    def __init__(self, gm: torch.fx.GraphModule, fused: bool, device: str, stats: ScopeStats | None):
+    def __init__(self, gm: torch.fx.GraphModule, fused: bool, device: str, stats: ScopeStats | None,
+                 interpreted: bool = False):
         super().__init__()
         self.gm, self.fused, self.device, self.stats = gm, fused, device, stats
-        self.fn: Callable | None = None
+        # A segment holding a data-dependent op runs as the plain FX graph: Inductor cannot
+        # compile it from concrete example inputs, and it is outside any launch unit anyway.
+        self.fn: Callable | None = gm if interpreted else None
 
     def forward(self, *args):
         if self.fn is None:
@@ -109,6 +120,7 @@ class InductorBackend:
 
     def _split(self, gm: torch.fx.GraphModule):
         partition: dict[torch.fx.Node, int] = {}
+        interpreted: set[int] = set()
         fused: dict[int, ScopeStats | None] = {}
         current, scope = 0, None
         fused[0] = None
@@ -133,19 +145,27 @@ class InductorBackend:
                 continue
             if node.op in ("placeholder", "output"):
                 continue
+            reason = _blocker(node)
             if scope is not None:
                 scope.ops += 1
-                reason = _blocker(node)
                 if reason and not scope.unfused:
                     mode = parse_options(scope.options).get("strict-scope-check")
                     if mode == "abort":
                         raise ScopeCheckError(f"scope {scope.label!r}: op {_op_name(node)} cannot join a "
                                               f"SuperKernel ({reason}); strict-scope-check=abort")
-                    scope.cut_reasons.append(f"cut at {_op_name(node)}: {reason}")
-                    start(None)
+                    if fused[current] is not None:  # consecutive blockers share one unfused cut
+                        scope.cut_reasons.append(f"cut at {_op_name(node)}: {reason}")
+                        start(None)
                     partition[node] = current
-                    start(scope)
+                    interpreted.add(current)
                     continue
+                if fused[current] is None and not scope.unfused and not _is_tensor(node):
+                    partition[node] = current  # shape checks on the cut op's output stay with it
+                    continue
+                if fused[current] is None and not scope.unfused:
+                    start(scope)  # back inside the scope after the cut
+            if reason:
+                interpreted.add(current)
             partition[node] = current
         gm.recompile()
         used = set(partition.values())
@@ -155,7 +175,7 @@ class InductorBackend:
         for name, sub in list(split.named_children()):
             index = int(name.rsplit("_", 1)[1])
             stats = fused.get(index)
-            setattr(split, name, _Segment(sub, stats is not None, self.device, stats))
+            setattr(split, name, _Segment(sub, stats is not None, self.device, stats, index in interpreted))
         return split
 
     def _scope_blocked(self, enter: torch.fx.Node) -> bool:
@@ -183,7 +203,16 @@ class CompiledStep:
     def __call__(self, *args):
         graphs_before = self.backend.stats.graphs if self.backend else 0
         t0 = time.perf_counter()
-        out = self._fn(*args)
+        try:
+            out = self._fn(*args)
+        except torch._dynamo.exc.BackendCompilerFailed as exc:
+            if isinstance(exc.inner_exception, ScopeCheckError):
+                raise exc.inner_exception from None
+            raise
+        except torch._dynamo.exc.Unsupported as exc:
+            first = str(exc).strip().splitlines()[0]
+            raise GraphBreakError(f"the decode step has a graph break ({first}); exe_mode ge_graph compiles "
+                                  "it as one graph (fullgraph=True), so remove the break or use eager") from None
         if self.backend is not None:
             new = self.backend.stats.graphs - graphs_before
             if self.calls == 0:
