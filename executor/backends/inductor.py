@@ -127,7 +127,9 @@ class _CudaGraphUnit:
             if isinstance(arg, torch.Tensor) and arg.data_ptr() != buf.data_ptr():
                 buf.copy_(arg)
         self.graph.replay()
-        return [o.clone() if isinstance(o, torch.Tensor) else o for o in self.out]
+        if isinstance(self.out, torch.Tensor):
+            return self.out.clone()
+        return type(self.out)(o.clone() if isinstance(o, torch.Tensor) else o for o in self.out)
 
 
 class InductorBackend:
