@@ -1,0 +1,150 @@
+"""executor/ops/reference.py against the torch_npu semantics of shared/reference/ascend-apis.md.
+
+Every expected value here is computed a different way from the code under test (hand formulas,
+explicit loops, torch's own scaled_dot_product_attention), because the reference ops are what
+the NPU kernels and the CPU/CUDA paths are both held to.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from executor import ops
+from executor.ops import reference
+
+
+def test_rms_norm_hand_computed():
+    x = torch.tensor([[3.0, 4.0], [1.0, -1.0]])
+    w = torch.tensor([2.0, 0.5])
+    y = reference.rms_norm(x, w, 0.0)
+    r0, r1 = math.sqrt((9 + 16) / 2), 1.0  # root mean square of each row
+    expected = torch.tensor([[2 * 3 / r0, 0.5 * 4 / r0], [2 * 1 / r1, 0.5 * -1 / r1]])
+    torch.testing.assert_close(y, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_normalises_in_fp32_casts_then_scales(dtype):
+    torch.manual_seed(0)
+    x, w = (torch.randn(3, 64) * 5).to(dtype), (torch.rand(64) + 0.5).to(dtype)
+    eps = 1e-6
+    normed = torch.stack([row.double() / torch.sqrt((row.double() ** 2).mean() + eps) for row in x.float()])
+    expected = w * normed.to(dtype)  # cast to x.dtype BEFORE the weight multiply
+    y = reference.rms_norm(x, w, eps)
+    assert y.dtype == dtype
+    torch.testing.assert_close(y, expected, rtol=0, atol=0 if dtype == torch.bfloat16 else 1e-6)
+
+
+def test_rms_norm_eps_is_used():
+    x, w = torch.full((1, 4), 1e-3), torch.ones(4)
+    torch.testing.assert_close(reference.rms_norm(x, w, 1e-6), x / math.sqrt(1e-6 + 1e-6))
+
+
+def test_add_rms_norm_returns_normed_sum_and_sum():
+    torch.manual_seed(1)
+    x, res, w = torch.randn(2, 5, 16), torch.randn(2, 5, 16), torch.rand(16) + 0.5
+    y, x_sum = reference.add_rms_norm(x, res, w, 1e-6)
+    s = x + res
+    torch.testing.assert_close(x_sum, s)
+    torch.testing.assert_close(y, w * s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def test_swiglu_first_half_is_the_gate():
+    a, b = torch.tensor([[1.0, -2.0]]), torch.tensor([[3.0, 0.5]])
+    y = reference.swiglu(torch.cat([a, b], dim=-1))
+    silu = lambda t: t / (1 + torch.exp(-t))  # noqa: E731
+    torch.testing.assert_close(y, silu(a) * b)
+    assert not torch.allclose(y, silu(b) * a)
+
+
+def test_rotary_half_matches_explicit_pair_rotation():
+    torch.manual_seed(2)
+    b, h, s, d = 1, 2, 3, 8
+    x = torch.randn(b, h, s, d)
+    angle = torch.rand(s, d // 2) * 6                      # one angle per (position, pair)
+    cos = torch.cat([angle.cos(), angle.cos()], -1).view(1, 1, s, d)
+    sin = torch.cat([angle.sin(), angle.sin()], -1).view(1, 1, s, d)
+    expected = torch.empty_like(x)
+    half = d // 2
+    for p in range(s):
+        for i in range(half):  # "half" mode rotates the pair (i, i + D/2) by angle[p, i]
+            c, sn = angle[p, i].cos(), angle[p, i].sin()
+            lo, hi = x[..., p, i], x[..., p, i + half]
+            expected[..., p, i] = lo * c - hi * sn
+            expected[..., p, i + half] = hi * c + lo * sn
+    torch.testing.assert_close(reference.rotary_mul(x, cos, sin), expected)
+
+
+@pytest.mark.parametrize("hq, hkv", [(4, 4), (4, 2), (6, 1)])
+def test_attention_matches_sdpa_with_expanded_gqa(hq, hkv):
+    torch.manual_seed(3)
+    b, s, t, d, scale = 2, 3, 7, 8, 0.2
+    q, k, v = torch.randn(b, hq, s, d), torch.randn(b, hkv, t, d), torch.randn(b, hkv, t, d)
+    pos = torch.tensor([[4, 5, 6], [0, 1, 2]])
+    masked_out = torch.arange(t).view(1, 1, 1, t) > pos.view(b, 1, s, 1)  # True = masked out
+    g = hq // hkv
+    expected = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
+                                              attn_mask=~masked_out, scale=scale)  # SDPA: True = attend
+    out = reference.attention(q, k, v, masked_out, scale)
+    assert out.shape == (b, hq, s, d)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_mask_polarity_true_means_ignored():
+    q = torch.ones(1, 1, 1, 2)
+    k = torch.ones(1, 1, 3, 2)
+    v = torch.tensor([[[[1.0, 0.0], [0.0, 1.0], [5.0, 5.0]]]])
+    mask = torch.tensor([[[[False, False, True]]]])  # the third key must not contribute
+    torch.testing.assert_close(reference.attention(q, k, v, mask, 1.0), torch.tensor([[[[0.5, 0.5]]]]))
+
+
+def test_moe_gating_is_softmax_then_topk_in_fp32():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [3.0, 3.5, -2.0, 0.0]], dtype=torch.bfloat16)
+    w, idx = reference.moe_gating_top_k_softmax(logits, 2)
+    p = torch.exp(logits.double()) / torch.exp(logits.double()).sum(-1, keepdim=True)
+    assert idx.tolist() == [[1, 2], [1, 0]]
+    assert w.dtype == torch.float32
+    torch.testing.assert_close(w.double(), torch.gather(p, 1, idx), rtol=1e-6, atol=1e-6)
+
+
+def test_moe_init_routing_stable_sort_and_counts():
+    n, k, e = 4, 2, 5
+    x = torch.arange(n * 3, dtype=torch.float32).view(n, 3)
+    expert_idx = torch.tensor([[2, 0], [0, 2], [4, 2], [0, 1]])
+    expanded_x, order, counts = reference.moe_init_routing(x, expert_idx, e)
+    expected_order = [i * k + j for ex in range(e) for i in range(n) for j in range(k) if expert_idx[i, j] == ex]
+    assert order.tolist() == expected_order == [1, 2, 6, 7, 0, 3, 5, 4]  # by expert, ties by (token, slot)
+    assert torch.equal(expanded_x, x[[p // k for p in expected_order]])
+    assert counts.tolist() == [3, 1, 3, 0, 1]
+
+
+def test_grouped_matmul_matches_per_expert_loop():
+    torch.manual_seed(4)
+    counts = torch.tensor([3, 0, 1, 2])
+    x, w = torch.randn(6, 5), torch.randn(4, 5, 7)
+    expected = torch.cat([x[0:3] @ w[0], x[3:4] @ w[2], x[4:6] @ w[3]])
+    torch.testing.assert_close(reference.grouped_matmul(x, w, counts), expected)
+
+
+def test_moe_pipeline_equals_per_token_loop():
+    """gating -> init_routing -> grouped_matmul -> un-permute = sum_j w_ij * x_i @ W[e_ij]."""
+    torch.manual_seed(5)
+    n, e, k, h, f = 6, 4, 2, 5, 3
+    x, router, w = torch.randn(n, h), torch.randn(n, e), torch.randn(e, h, f)
+    weights, idx = reference.moe_gating_top_k_softmax(router, k)
+    expanded_x, order, counts = reference.moe_init_routing(x, idx, e)
+    y_sorted = reference.grouped_matmul(expanded_x, w, counts)
+    y = torch.zeros(n * k, f).index_copy(0, order, y_sorted).view(n, k, f)
+    out = (y * weights.unsqueeze(-1)).sum(1)
+    expected = torch.stack([sum(weights[i, j] * (x[i] @ w[idx[i, j]]) for j in range(k)) for i in range(n)])
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_ops_interface_rejects_unknown_names():
+    with pytest.raises(ValueError, match="unknown ops"):
+        ops.register("bad", {"softmax": reference.swiglu})
+    with pytest.raises(ValueError, match="not registered"):
+        ops.use("nope")
+    assert ops.active() == "reference"
