@@ -91,7 +91,8 @@ def load_weights(model: torch.nn.Module, model_path: str | Path, dtype: torch.dt
     if extra_remap is not None:
         state = extra_remap(state)
     own = model.state_dict()
-    if "lm_head.weight" in own and "lm_head.weight" not in state and "embed_tokens.weight" in state:
+    tied = "lm_head.weight" in own and own["lm_head.weight"].data_ptr() == own["embed_tokens.weight"].data_ptr()
+    if tied and "lm_head.weight" not in state and "embed_tokens.weight" in state:
         state["lm_head.weight"] = state["embed_tokens.weight"]  # tied embeddings are saved once
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
