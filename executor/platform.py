@@ -10,9 +10,7 @@ tests exercise with recorded samples.
 from __future__ import annotations
 
 import glob
-import importlib
 import importlib.metadata
-import importlib.util
 import os
 import re
 import shutil
@@ -176,17 +174,10 @@ def _cpu_name() -> str:
 
 
 def _try_torch_npu() -> tuple[object | None, str]:
-    """Import torch_npu if present; returns (module or None, one-line reason)."""
-    if importlib.util.find_spec("torch_npu") is None:
-        return None, "torch_npu not installed"
-    try:
-        mod = importlib.import_module("torch_npu")
-    except Exception as exc:  # typically missing CANN libraries
-        first = (str(exc).splitlines() or [""])[0]
-        return None, f"import torch_npu failed: {type(exc).__name__}: {first}"
-    if not mod.npu.is_available():
-        return None, "torch_npu imported but torch.npu.is_available() = False"
-    return mod, "torch.npu.is_available() = True"
+    """torch_npu is imported only by the NPU adapter; this asks it (lazily) whether one is usable."""
+    from executor.backends.npu import probe
+
+    return probe()
 
 
 def detect(device: str = "auto") -> Platform:

@@ -29,6 +29,20 @@ def _torch_npu():
     return importlib.import_module("torch_npu")
 
 
+def probe() -> tuple[object | None, str]:
+    """Import torch_npu if present and usable: (module or None, one-line reason). Used by platform.detect."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return None, "torch_npu not installed"
+    try:
+        mod = importlib.import_module("torch_npu")
+    except Exception as exc:  # typically missing CANN libraries
+        first = (str(exc).splitlines() or [""])[0]
+        return None, f"import torch_npu failed: {type(exc).__name__}: {first}"
+    if not mod.npu.is_available():
+        return None, "torch_npu imported but torch.npu.is_available() = False"
+    return mod, "torch.npu.is_available() = True"
+
+
 def _torchair():
     _torch_npu()  # torchair ships inside torch_npu and is importable only once torch_npu is
     return importlib.import_module("torchair")
