@@ -17,6 +17,10 @@ try:  # `python -m pytest` from the repo root
 except ImportError:  # plain `pytest`, or --import-mode=importlib
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import checkpoints as ckpt
+try:
+    import tests.tool_fixtures as tools
+except ImportError:
+    import tool_fixtures as tools
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,3 +64,13 @@ def make_qwen_runner() -> Callable:
                                  "data_config.input_max_len=24", *overrides])
         return QwenRunner(cfg, detect("cpu"))
     return make
+
+
+@pytest.fixture(scope="session")
+def shared_dir(tmp_path_factory) -> Path:
+    """Session-wide: tiny models + compile cache for the tools tests (sk_compare, scope_search)."""
+    base = tmp_path_factory.getbasetemp() / "sk_tools_shared"
+    tools.tiny_model(base / "tiny_dense", tools.TINY_DENSE)
+    tools.tiny_model(base / "tiny_moe", tools.TINY_MOE)
+    (base / "compile_cache").mkdir(parents=True, exist_ok=True)
+    return base

@@ -1,0 +1,214 @@
+"""tools/scope_search.py end to end on CPU (1-layer dense and MoE models), plus the pieces a
+real search relies on: the accuracy rule, the search-space checks and the safe config edit.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+from executor.cli import main as cli_main
+from executor.runner import Generation
+from tools.config_edit import apply_changes
+from tools.measure import check_accuracy
+
+try:  # `python -m pytest` from the repo root
+    from tests.tool_fixtures import recipe_config
+except ImportError:  # plain `pytest`
+    from tool_fixtures import recipe_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+DENSE_SPACE = """\
+builtin_plans: [attention, mlp, moe, decoder]   # moe: not applicable to a dense model
+option_variants: {npu: ["stream-fusion=1"], cpu: []}
+custom:
+  - name: attn_ffn_split
+    scopes:
+      - {regions: ["layer_*_attn"], label: "attn"}
+      - {regions: ["layer_*_m??"], label: "ffn"}
+  - name: nested                                  # fails when the runner builds its plan
+    scopes:
+      - {regions: ["layer_0", "layer_0_attn"], label: "x"}
+  - name: other_model                             # matches nothing here
+    scopes:
+      - {regions: ["layer_*_router"], label: "x"}
+"""
+
+
+@pytest.fixture(autouse=True)
+def _inductor_env(monkeypatch):
+    """The in-process accuracy runs point Inductor's cache at the config's; undo that afterwards."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""))
+
+
+def search(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = cli_main(["search", *argv])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def test_dense_search_budget_resume_apply(tmp_path, shared_dir, capsys):
+    config = recipe_config(tmp_path / "recipe.yaml", shared_dir / "tiny_dense", shared_dir / "compile_cache")
+    space = tmp_path / "space.yaml"
+    space.write_text(DENSE_SPACE)
+    out = tmp_path / "search"
+    common = ["--config", str(config), "--search-space", str(space), "--runs", "1", "--warmup", "0", "--out", str(out)]
+
+    # 1. no budget: nothing measured, everything pending, exit 1 saying how to resume
+    rc, stdout, err = search(capsys, *common, "--max-minutes", "0")
+    assert rc == 1 and "unfinished" in stdout and f"--out {out}" in stdout
+    status = json.loads((out / "search_status.json").read_text())
+    assert status["state"] == "budget"
+    assert list(status["candidates"]) == ["baseline", "attention", "mlp", "decoder", "attn_ffn_split", "nested"]
+    assert {c["status"] for c in status["candidates"].values()} == {"pending"}
+    assert [s["name"] for s in status["skipped"]] == ["moe", "other_model"]
+
+    # 2. same --out: resumes and finishes; --apply writes the winner into the config
+    before = config.read_text()
+    rc, stdout, err = search(capsys, *common, "--apply")
+    assert rc == 0, stdout + err
+    assert "resuming" in err and "0 of 6 candidate(s) already finished" in err
+    status = json.loads((out / "search_status.json").read_text())
+    recs = status["candidates"]
+    assert status["state"] == "complete"
+    assert recs["nested"]["status"] == "failed" and "nested" in recs["nested"]["reason"]
+    assert (out / "candidates" / "nested.error.txt").is_file()
+    measured = [n for n in recs if n != "nested"]
+    for name in measured:
+        r = recs[name]
+        assert r["status"] == "done", r
+        assert r["accuracy"]["passed"] and r["accuracy"]["first_mismatch"] is None
+        assert r["accuracy"]["cosine_last_step"] >= 0.999 and r["accuracy"]["tokens_checked"] == 6
+        assert r["summary"]["ok_runs"] == 1 and r["summary"]["step_ms"] > 0
+        assert (out / "logs" / f"{name}.1.log").is_file()
+    metrics = json.loads((out / "logs" / "runs" / "attn_ffn_split.1" / "metrics.json").read_text())
+    assert metrics["superkernel"]["ran"] and {s["label"] for s in metrics["superkernel"]["scopes"]} == {"attn", "ffn"}
+    # ranking: the winner is the fastest SuperKernel candidate; speedups are ratios of medians
+    ms = {n: recs[n]["summary"]["step_ms"] for n in measured}
+    winner = min((n for n in measured if n != "baseline"), key=ms.get)
+    assert status["winner"] == winner and f"winner {winner}" in stdout
+    for n in measured:
+        assert recs[n]["speedup_vs_baseline"] == pytest.approx(ms["baseline"] / ms[n])
+        assert recs[n]["winner_speedup_over"] == pytest.approx(ms[n] / ms[winner])
+    table = pd.read_csv(out / "scope_search.csv")
+    assert list(table["candidate"][:5]) == sorted(measured, key=ms.get) and table["rank"][:5].tolist() == [1, 2, 3, 4, 5]
+    assert table["status"].tolist()[-1] == "failed"
+    report = (out / "scope_search_report.md").read_text()
+    assert "portable measurement on CPU, not an Ascend result" in report.splitlines()[2]
+    assert f"**Winner: {winner}**" in report and "other_model" in report
+    assert (out / "scope_search.png").read_bytes()[:4] == b"\x89PNG"
+    results = json.loads((out / "scope_search_results.json").read_text())
+    assert results["winner"] == winner and len(results["ranking"]) == 6
+    # --apply: only the SuperKernel keys changed, comments kept, backup holds the old bytes
+    after = config.read_text()
+    backups = list(tmp_path.glob("recipe.yaml.bak-*"))
+    assert len(backups) == 1 and backups[0].read_text() == before
+    sk = yaml.safe_load(after)["model_config"]["superkernel"]
+    assert sk["enable"] is True
+    assert sk["plan"] == recs[winner]["superkernel"]["plan"]
+    assert "# the configured plan" in after and "# one cache for the whole test session" in after
+    assert "--- " in stdout and "+    enable: true" in stdout
+    a, b = yaml.safe_load(after), yaml.safe_load(before)
+    a["model_config"].pop("superkernel"), b["model_config"].pop("superkernel")
+    assert a == b
+
+    # 3. a restart redoes only what is not finished: here the winner's record is reset
+    status["candidates"][winner]["status"] = "pending"
+    (out / "search_status.json").write_text(json.dumps(status))
+    config.write_text(before)  # the search is tied to the config it started with
+    kept = {n: (out / "logs" / f"{n}.1.log").stat().st_mtime_ns for n in measured if n != winner}
+    rc, stdout, err = search(capsys, *common)
+    assert rc == 0, stdout + err
+    assert "5 of 6 candidate(s) already finished" in err
+    assert f"{winner} run 1/1" in err and all(f"{n} run 1/1" not in err for n in kept)
+    assert {n: (out / "logs" / f"{n}.1.log").stat().st_mtime_ns for n in kept} == kept
+
+
+def test_moe_search(tmp_path, shared_dir, capsys):
+    if not (REPO / "models" / "qwen3_moe" / "config.yaml").is_file():
+        pytest.skip("models/qwen3_moe recipe is absent: the MoE search needs it")
+    config = recipe_config(tmp_path / "moe.yaml", shared_dir / "tiny_moe", shared_dir / "compile_cache", "qwen3_moe")
+    space = tmp_path / "space.yaml"
+    space.write_text("builtin_plans: [mlp, moe]\n")
+    out = tmp_path / "moe_search"
+    rc, stdout, err = search(capsys, "--model", "qwen3_moe", "--config", str(config), "--search-space", str(space),
+                             "--runs", "1", "--warmup", "0", "--out", str(out))
+    assert rc == 0, stdout + err
+    status = json.loads((out / "search_status.json").read_text())
+    assert list(status["candidates"]) == ["baseline", "moe"] and status["winner"] == "moe"
+    assert [s["name"] for s in status["skipped"]] == ["mlp"] and "moe" in status["skipped"][0]["reason"]
+    moe = status["candidates"]["moe"]
+    assert moe["accuracy"]["passed"] and moe["accuracy"]["cosine_last_step"] >= 0.999
+    metrics = json.loads((out / "logs" / "runs" / "moe.1" / "metrics.json").read_text())
+    assert metrics["model_type"] == "qwen3_moe" and metrics["superkernel"]["ran"]
+    assert [s["label"] for s in metrics["superkernel"]["scopes"]] == ["layer_0_moe"]
+    assert moe["speedup_vs_baseline"] == pytest.approx(
+        status["candidates"]["baseline"]["summary"]["step_ms"] / moe["summary"]["step_ms"])
+    assert config.read_text() == recipe_config(tmp_path / "fresh.yaml", shared_dir / "tiny_moe",
+                                               shared_dir / "compile_cache", "qwen3_moe").read_text()
+
+
+# ----------------------------------------------------------------------------- pieces
+def _gen(tokens: list[list[int]], first: torch.Tensor, last: torch.Tensor) -> Generation:
+    return Generation([[1, 2]], tokens, 1.0, [1.0], first, last)
+
+
+def test_accuracy_rule_rejects_with_numbers():
+    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    ref = _gen([[5, 6, 7, 8]], logits, logits)
+    same = check_accuracy(ref, _gen([[5, 6, 7, 8]], logits.clone(), logits * 2), 4, 0.999)
+    assert same["passed"] and same["cosine_last_step"] == pytest.approx(1.0)  # cosine ignores scale
+    late = check_accuracy(ref, _gen([[5, 6, 7, 9]], logits, logits), 3, 0.999)
+    assert late["passed"]  # only the first N tokens must agree
+    diverged = check_accuracy(ref, _gen([[5, 6, 9, 8]], logits, logits), 4, 0.999)
+    assert not diverged["passed"] and diverged["first_mismatch"] == 2 and "token 2" in diverged["reason"]
+    off = torch.tensor([[1.0, 2.0, 4.0, 3.0]])  # cosine = (1+4+12+12)/30 = 29/30
+    drift = check_accuracy(ref, _gen([[5, 6, 7, 8]], logits, off), 4, 0.999)
+    assert not drift["passed"] and drift["cosine_last_step"] == pytest.approx(29 / 30)
+    assert check_accuracy(ref, _gen([[5, 6, 7, 8]], logits, off), 4, 0.9)["passed"]
+
+
+def test_bad_search_space_and_overrides_exit_2(tmp_path, shared_dir, capsys):
+    config = recipe_config(tmp_path / "recipe.yaml", shared_dir / "tiny_dense", shared_dir / "compile_cache")
+    cases = {"builtin_plans: [attention, everything]\n": "everything",
+             "option_variants: {cpu: ['stream-fusion=2']}\n": "stream-fusion",
+             "custom: [{name: c, scopes: [{regions: [layer_0], label: x, options: 'bogus=1'}]}]\n": "bogus",
+             "custom: [{name: baseline, scopes: [{regions: [layer_0], label: x}]}]\n": "baseline",
+             "plans: [attention]\n": "plans"}
+    for i, (text, word) in enumerate(cases.items()):
+        space = tmp_path / f"space{i}.yaml"
+        space.write_text(text)
+        rc, _, err = search(capsys, "--config", str(config), "--search-space", str(space), "--out", str(tmp_path / "o"))
+        assert rc == 2 and err.startswith("error:") and word in err, (text, err)
+    rc, _, err = search(capsys, "--config", str(config), "--set", "model_config.superkernel.plan=layer")
+    assert rc == 2 and "scope_search sets model_config.superkernel" in err
+    rc, _, err = search(capsys, "--model", "nope")
+    assert rc == 2 and "nope" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_apply_changes_restores_on_refusal_and_keeps_comments(tmp_path):
+    path = tmp_path / "c.yaml"
+    original = "# top comment\nmodel_config:\n  exe_mode: \"eager\"   # modes\n  superkernel:\n    enable: false  # sk\n"
+    path.write_text(original)
+
+    def refuse(p: Path):
+        assert yaml.safe_load(p.read_text())["model_config"]["superkernel"]["enable"] is True
+        raise ValueError("refused")
+    with pytest.raises(ValueError, match="refused"):
+        apply_changes(path, {"model_config.superkernel.enable": True}, validate=refuse)
+    assert path.read_text() == original
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp") or ".check." in p.name]
+    res = apply_changes(path, {"model_config.superkernel.enable": True,
+                               "model_config.superkernel.custom": [{"regions": ["layer_*_m??"], "label": "ffn"}]})
+    new = path.read_text()
+    assert "# top comment" in new and "# modes" in new and "# sk" in new
+    assert yaml.safe_load(new)["model_config"]["superkernel"] == {
+        "enable": True, "custom": [{"regions": ["layer_*_m??"], "label": "ffn"}]}
+    assert res.backup.read_text() == original and "+    enable: true" in res.diff
