@@ -31,6 +31,14 @@ from executor.scope import SCOPE_ENTER, SCOPE_EXIT, parse_options, set_scope_imp
 _MARKERS = (SCOPE_ENTER, SCOPE_EXIT, torch.ops.sk.scope_enter, torch.ops.sk.scope_exit)
 
 
+# How a scope becomes one launch unit on CPU: Inductor's C++ wrapper calls every kernel of the
+# segment from one C++ function (no Python between kernels), and the decode GEMVs (M = 1,
+# K, N <= 2048) are decomposed into loops that Inductor fuses with their neighbours instead of
+# one extern BLAS call each (~10 us of call overhead apiece at these sizes). Measured in
+# BENCHMARKS.md; outside scopes the default Inductor lowering is kept.
+CPU_LAUNCH_UNIT = {"cpp_wrapper": True, "post_grad_fusion_options": {"decompose_mm_pass": {}}}
+
+
 class ScopeCheckError(Exception):
     """strict-scope-check=abort found an op that cannot join its scope."""
 
@@ -96,7 +104,7 @@ class _Segment(torch.nn.Module):
 
             # CPU launch unit = the C++ wrapper; CUDA launch unit = one CUDA graph (captured by us:
             # Inductor's own cudagraphs silently skip graphs that mutate inputs, like the KV cache).
-            patch = {"cpp_wrapper": True} if self.fused and self.device == "cpu" else {}
+            patch = CPU_LAUNCH_UNIT if self.fused and self.device == "cpu" else {}
             with inductor_config.patch(patch):
                 self.fn = compile_fx(self.gm, list(args))
             if self.fused and self.device == "cuda":
@@ -260,10 +268,12 @@ class CompiledStep:
 
 def compile_ge(step: Callable, superkernel: bool, device: str) -> CompiledStep:
     set_scope_impl(None)  # marker ops
-    # Every runner compiles the same code object (ModelRunner._decode_step); several runners in
-    # one process (tests, benchmarks) each add a cache entry, so lift dynamo's per-code limit.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+    # Every runner compiles the same code object (ModelRunner._decode_step): isolate each
+    # compile's cache entries so runners in one process (tests, benchmarks) never share or
+    # exhaust a recompile budget. Parameters are not guarded (torchair's frozen_parameter:
+    # their addresses are fixed for the run), which saves ~50 us of guard checks per step.
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
     backend = InductorBackend(superkernel, device)
-    compiled = torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
+    compiled = torch.compile(step, backend=backend, fullgraph=True, dynamic=False, isolate_recompiles=True,
+                             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
     return CompiledStep(compiled, backend, "inductor+superkernel" if superkernel else "inductor")
