@@ -17,6 +17,7 @@ the whole scope unfused with a warning.
 """
 from __future__ import annotations
 
+import operator
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -32,11 +33,44 @@ _MARKERS = (SCOPE_ENTER, SCOPE_EXIT, torch.ops.sk.scope_enter, torch.ops.sk.scop
 
 
 # How a scope becomes one launch unit on CPU: Inductor's C++ wrapper calls every kernel of the
-# segment from one C++ function (no Python between kernels), and the decode GEMVs (M = 1,
-# K, N <= 2048) are decomposed into loops that Inductor fuses with their neighbours instead of
-# one extern BLAS call each (~10 us of call overhead apiece at these sizes). Measured in
-# BENCHMARKS.md; outside scopes the default Inductor lowering is kept.
+# segment from one C++ function (no Python between kernels), and the scope's decode GEMVs are
+# generated code rather than one extern BLAS call each (see _gemv_to_reduction; the remaining
+# small M=1 matmuls, e.g. attention's, go through Inductor's own decomposition). Outside scopes
+# the default Inductor lowering is kept. Measured effect: BENCHMARKS.md.
 CPU_LAUNCH_UNIT = {"cpp_wrapper": True, "post_grad_fusion_options": {"decompose_mm_pass": {}}}
+INDUCTOR_DECOMPOSE_MAX_DIM = 2048  # Inductor's decompose_mm_pass only takes M=1 GEMMs with K, N <= this
+
+
+def _gemv_to_reduction(gm: torch.fx.GraphModule) -> int:
+    """Rewrite `linear(x, W, b)` with a single row of x (decode, batch 1) as sum(x * W, -1) + b.
+
+    Why: Inductor then generates the GEMV as a vectorised reduction inside the scope's binary.
+    Only GEMVs larger than Inductor's own decomposition handles are rewritten: on those (e.g. a
+    622 MB lm_head) MKL's sgemv streamed weights at ~17 GB/s on this 2-core machine against
+    ~35 GB/s for the generated loop. Returns how many linears were rewritten.
+    """
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch._C._nn.linear:
+            continue
+        x, w = node.args[0], node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        value = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
+        weight = w.meta.get("example_value") if isinstance(w, torch.fx.Node) else None
+        if not isinstance(value, torch.Tensor) or value.numel() != value.shape[-1] or weight is None:
+            continue
+        if max(weight.shape) <= INDUCTOR_DECOMPOSE_MAX_DIM:  # Inductor's own pass does small ones better
+            continue
+        with gm.graph.inserting_before(node):
+            row = gm.graph.call_method("unsqueeze", (x, -2))                       # (..., 1, K)
+            out = gm.graph.call_method("sum", (gm.graph.call_function(operator.mul, (row, w)), -1))  # (..., N)
+            if bias is not None:
+                out = gm.graph.call_function(operator.add, (out, bias))
+        node.replace_all_uses_with(out)
+        gm.graph.erase_node(node)
+        rewritten += 1
+    gm.recompile()
+    return rewritten
 
 
 class ScopeCheckError(Exception):
@@ -105,6 +139,8 @@ class _Segment(torch.nn.Module):
             # CPU launch unit = the C++ wrapper; CUDA launch unit = one CUDA graph (captured by us:
             # Inductor's own cudagraphs silently skip graphs that mutate inputs, like the KV cache).
             patch = CPU_LAUNCH_UNIT if self.fused and self.device == "cpu" else {}
+            if self.fused and self.device == "cpu":
+                _gemv_to_reduction(self.gm)
             with inductor_config.patch(patch):
                 self.fn = compile_fx(self.gm, list(args))
             if self.fused and self.device == "cuda":

@@ -1,0 +1,46 @@
+"""The portable SuperKernel's lowering of large decode GEMVs (executor.backends.inductor).
+
+The tiny test models never reach the size where scopes rewrite a GEMV, so this checks the
+rewrite directly: which linears it takes, and that the compiled scope computes the same thing.
+"""
+import torch
+
+from executor.backends.inductor import INDUCTOR_DECOMPOSE_MAX_DIM, _gemv_to_reduction, compile_ge
+from executor.scope import superkernel_scope
+
+
+def _trace(fn, *args) -> torch.fx.GraphModule:
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    torch.compile(fn, backend=capture, fullgraph=True, dynamic=False)(*args)
+    return graphs[0]
+
+
+def test_only_single_row_linears_above_inductors_own_limit_are_rewritten():
+    big = torch.nn.Linear(64, INDUCTOR_DECOMPOSE_MAX_DIM + 64)
+    small = torch.nn.Linear(64, 32, bias=False)
+    gm = _trace(lambda x, y: (big(x), small(x), big(y)), torch.randn(1, 1, 64), torch.randn(2, 64))
+    assert _gemv_to_reduction(gm) == 1  # big(x) only: small is Inductor's, y has two rows
+    linears = [n for n in gm.graph.nodes if n.target is torch._C._nn.linear]
+    assert len(linears) == 2
+
+
+def test_scope_with_a_large_gemv_matches_eager():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 3 * INDUCTOR_DECOMPOSE_MAX_DIM)
+
+    def step(x):
+        with superkernel_scope(True, "big", ""):
+            return torch.relu(lin(x)).sum(-1)
+
+    x = torch.randn(1, 1, 256)
+    with torch.no_grad():
+        compiled = compile_ge(step, True, "cpu")
+        got = compiled(x)
+        want = step(x)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+    scope = compiled.backend.stats.scopes["big"]
+    assert scope.segments == 1 and scope.launches == 1
