@@ -35,10 +35,9 @@ from executor.tokenizer import BUILTIN_TOKENIZER  # noqa: E402
 PROMPT_LEN = 16
 
 
-def make_checkpoint(size: str, path: Path, seed: int) -> dict:
-    """Random HF checkpoint of a named size (std 0.1 weights, like our with_ckpt: false)."""
+def make_checkpoint(cfg: dict, path: Path, seed: int) -> None:
+    """Random HF checkpoint of an architecture (std 0.1 weights, like our with_ckpt: false)."""
     import transformers
-    cfg = dict(yaml.safe_load(MODEL_SIZES.read_text())[size])
     config = transformers.AutoConfig.for_model(**cfg)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -46,7 +45,6 @@ def make_checkpoint(size: str, path: Path, seed: int) -> dict:
         for name, p in model.named_parameters():
             p.copy_(torch.ones_like(p) if "norm" in name else torch.randn_like(p) * 0.1)
     model.save_pretrained(path)
-    return cfg
 
 
 def memory_bandwidth_gbs(nbytes: int = 1 << 29) -> tuple[float, float]:
@@ -119,20 +117,23 @@ def main(argv=None) -> int:
     p.add_argument("--plans", default="all", help="comma list of SuperKernel plans, 'all' or 'none'")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    p.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (shrink a big shape to fit memory)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    sizes = yaml.safe_load(MODEL_SIZES.read_text())
-    arch = arch_from_dict(sizes[args.size], args.size)
+    cfg = dict(yaml.safe_load(MODEL_SIZES.read_text())[args.size])
+    if args.layers:
+        cfg["num_hidden_layers"] = args.layers
+    arch = arch_from_dict(cfg, args.size)
     prompt = [(7 * i + 3) % arch.vocab_size for i in range(PROMPT_LEN)]
     platform = detect("cpu")
-    print(f"# decode_bench: recipe {args.model}, size {args.size}, {args.steps} steps, batch 1, fp32, "
+    print(f"# decode_bench: recipe {args.model}, size {args.size} ({arch.num_layers} layers), {args.steps} steps, batch 1, fp32, "
           f"{platform.describe()}, torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "ckpt"
-        make_checkpoint(args.size, path, seed=0)
+        make_checkpoint(cfg, path, seed=0)
         if not args.no_hf:
             rows.append(("transformers eager generate", hf_decode_ms(path, prompt, args.steps), None, None))
             print(f"  measured {rows[-1][0]}", flush=True)

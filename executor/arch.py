@@ -55,10 +55,11 @@ class ModelArch:
                 and (i + 1) % self.decoder_sparse_step == 0)
 
     def weight_bytes(self, dtype_bytes: int) -> int:
-        """Bytes of weights one decode step reads (all params; MoE: only k experts per layer)."""
+        """Bytes of weights one decode step reads: every layer (MoE: the router and only the k
+        chosen experts) and the lm_head; of the embedding table only one row per token."""
         d, h = self.head_dim, self.hidden_size
         attn = h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
-        total = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        total = self.vocab_size * h  # lm_head (tied or not); embedding rows are negligible
         for i in range(self.num_layers):
             ffn = (3 * h * self.moe_intermediate_size * self.num_experts_per_tok + h * self.num_experts
                    if self.is_moe_layer(i) else 3 * h * self.intermediate_size)
