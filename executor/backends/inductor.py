@@ -33,10 +33,10 @@ _MARKERS = (SCOPE_ENTER, SCOPE_EXIT, torch.ops.sk.scope_enter, torch.ops.sk.scop
 
 
 # How a scope becomes one launch unit on CPU: Inductor's C++ wrapper calls every kernel of the
-# segment from one C++ function (no Python between kernels), and the scope's decode GEMVs are
-# generated code rather than one extern BLAS call each (see _gemv_to_reduction; the remaining
-# small M=1 matmuls, e.g. attention's, go through Inductor's own decomposition). Outside scopes
-# the default Inductor lowering is kept. Measured effect: BENCHMARKS.md.
+# segment from one C++ function (no Python between kernels), and the scope's small decode
+# GEMMs (M = 1) are decomposed into loops fused with their neighbours instead of one extern BLAS
+# call each (~10 us of call overhead apiece at these sizes). Outside scopes Inductor keeps its
+# Python wrapper and BLAS calls. Measured effect: BENCHMARKS.md.
 CPU_LAUNCH_UNIT = {"cpp_wrapper": True, "post_grad_fusion_options": {"decompose_mm_pass": {}}}
 INDUCTOR_DECOMPOSE_MAX_DIM = 2048  # Inductor's decompose_mm_pass only takes M=1 GEMMs with K, N <= this
 
@@ -44,10 +44,11 @@ INDUCTOR_DECOMPOSE_MAX_DIM = 2048  # Inductor's decompose_mm_pass only takes M=1
 def _gemv_to_reduction(gm: torch.fx.GraphModule) -> int:
     """Rewrite `linear(x, W, b)` with a single row of x (decode, batch 1) as sum(x * W, -1) + b.
 
-    Why: Inductor then generates the GEMV as a vectorised reduction inside the scope's binary.
-    Only GEMVs larger than Inductor's own decomposition handles are rewritten: on those (e.g. a
-    622 MB lm_head) MKL's sgemv streamed weights at ~17 GB/s on this 2-core machine against
-    ~35 GB/s for the generated loop. Returns how many linears were rewritten.
+    Why: a decode step on CPU is a stream over the weights, and for large GEMVs (e.g. a 622 MB
+    lm_head) MKL's sgemv streamed them at ~17 GB/s on the 2-core reference machine against
+    ~35 GB/s for the vectorised reduction Inductor generates from this form. Applied to every
+    compiled CPU decode graph (ge_graph with or without SuperKernel), only to GEMVs larger than
+    Inductor's own M=1 decomposition takes. Returns how many linears were rewritten.
     """
     rewritten = 0
     for node in list(gm.graph.nodes):
@@ -139,7 +140,7 @@ class _Segment(torch.nn.Module):
             # CPU launch unit = the C++ wrapper; CUDA launch unit = one CUDA graph (captured by us:
             # Inductor's own cudagraphs silently skip graphs that mutate inputs, like the KV cache).
             patch = CPU_LAUNCH_UNIT if self.fused and self.device == "cpu" else {}
-            if self.fused and self.device == "cpu":
+            if self.device == "cpu":
                 _gemv_to_reduction(self.gm)
             with inductor_config.patch(patch):
                 self.fn = compile_fx(self.gm, list(args))
@@ -187,6 +188,8 @@ class InductorBackend:
         self.stats.graphs += 1
         if not self.superkernel:
             from torch._inductor.compile_fx import compile_fx
+            if self.device == "cpu":
+                _gemv_to_reduction(gm)
             return compile_fx(gm, example_inputs)
         return self._split(gm)
 
