@@ -1,8 +1,10 @@
-"""The portable SuperKernel's lowering of large decode GEMVs (executor.backends.inductor).
+"""The CPU graph mode's lowering of large decode GEMVs (executor.backends.inductor).
 
-The tiny test models never reach the size where scopes rewrite a GEMV, so this checks the
-rewrite directly: which linears it takes, and that the compiled scope computes the same thing.
+The tiny test models never reach the size where a GEMV is rewritten, so this checks the
+rewrite directly: which linears it takes, and that compiled code computes the same thing, with
+and without a SuperKernel scope around it.
 """
+import pytest
 import torch
 
 from executor.backends.inductor import INDUCTOR_DECOMPOSE_MAX_DIM, _gemv_to_reduction, compile_ge
@@ -28,19 +30,21 @@ def test_only_single_row_linears_above_inductors_own_limit_are_rewritten():
     assert len(linears) == 2
 
 
-def test_scope_with_a_large_gemv_matches_eager():
+@pytest.mark.parametrize("superkernel", [False, True])
+def test_large_gemv_compiles_to_the_same_result(superkernel):
     torch.manual_seed(0)
     lin = torch.nn.Linear(256, 3 * INDUCTOR_DECOMPOSE_MAX_DIM)
 
     def step(x):
-        with superkernel_scope(True, "big", ""):
+        with superkernel_scope(superkernel, "big", ""):
             return torch.relu(lin(x)).sum(-1)
 
     x = torch.randn(1, 1, 256)
     with torch.no_grad():
-        compiled = compile_ge(step, True, "cpu")
+        compiled = compile_ge(step, superkernel, "cpu")
         got = compiled(x)
         want = step(x)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
-    scope = compiled.backend.stats.scopes["big"]
-    assert scope.segments == 1 and scope.launches == 1
+    if superkernel:
+        scope = compiled.backend.stats.scopes["big"]
+        assert scope.segments == 1 and scope.launches == 1
