@@ -2,7 +2,7 @@
 
 Architecture differences come from the checkpoint (`ModelArch`): q/k/v bias (Qwen2), per-head
 q/k RMSNorm and optional o_proj bias (Qwen3), explicit head_dim, tied embeddings. Fused ops
-come from `executor.ops` and scopes from `ctx.scopes`: no device or exe_mode branches here.
+come from `executor.ops` and scopes from `ctx.scopes`: no device or execution-mode branches here.
 
 SuperKernel regions (see executor.scope): `decode_layers` (all layers), `layer_{i}`,
 `layer_{i}_attn`, `layer_{i}_mlp`. The runner's scope plan decides which are opened.
