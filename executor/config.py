@@ -180,8 +180,12 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
     return parsed
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
-    """Load a recipe YAML (or only defaults when path is None), apply overrides, validate."""
+def load_config(path: str | Path | None, overrides: list[str] = (), check: bool = True) -> RunConfig:
+    """Load a recipe YAML (or only defaults when path is None), apply overrides, validate.
+
+    Keys and types are always checked. `check=False` skips the cross-field rules, for tools
+    that change the config before running it (sk_compare/scope_search switch an eager config to
+    ge_graph) and validate the copies they run instead."""
     data: dict = {}
     if path is not None:
         path = Path(path)
@@ -199,7 +203,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     for key, value in parse_overrides(list(overrides)):
         _set_dotted(data, key, value)
     cfg = _build(RunConfig, data, "")
-    validate(cfg)
+    if check:
+        validate(cfg)
     return cfg
 
 

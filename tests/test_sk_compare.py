@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from executor.cli import main as cli_main
+from executor.config import load_config
 from executor.logs import decode_average_ms
 
 try:  # `python -m pytest` from the repo root
@@ -152,6 +153,23 @@ def test_crashed_side_reported_as_failed_config_identical(tmp_path, user_config,
     runs = pd.read_csv(out / "runs.csv")
     assert len(runs) == 6 and runs.loc[runs["side"] == "optimized", "ok"].eq(False).all()
     assert "every run of optimized failed" in (out / "superkernel_optimization_report.md").read_text()
+
+
+def test_eager_config_with_graph_only_override_runs_both_sides_in_ge_graph(tmp_path, user_config, capsys):
+    """The shipped configs are eager; `--set model_config.enable_cache_compile=true` is only valid
+    in a graph mode, which the tool switches both sides to, so it must not be rejected up front."""
+    user_config.write_text(user_config.read_text().replace('exe_mode: "ge_graph"', 'exe_mode: "eager"')
+                           .replace("enable_cache_compile: true", "enable_cache_compile: false"))
+    before = user_config.read_bytes()
+    log = "printf 'qwen inference time cost of decode is 2.00 ms\\nqwen inference time cost of decode is 2.50 ms\\n'"
+    out = tmp_path / "eager"
+    rc, _, err = compare(capsys, "--config", str(user_config), "--runs", "1", "--warmup", "0", "--out", str(out),
+                         "--set", "model_config.enable_cache_compile=true", "--cmd-baseline", log, "--cmd-optimized", log)
+    assert rc == 0, err
+    assert user_config.read_bytes() == before
+    for side in ("baseline", "optimized"):  # each side runs its copy plus the --set overrides
+        cfg = load_config(out / f"{side}.yaml", ["model_config.enable_cache_compile=true"])
+        assert cfg.model_config.exe_mode == "ge_graph" and cfg.model_config.enable_cache_compile
 
 
 # ----------------------------------------------------------------------------- --from-logs

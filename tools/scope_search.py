@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     runner = runner_class(args.model)
     config = Path(args.config).resolve() if args.config else REPO_ROOT / "models" / args.model / "config.yaml"
     measure.reject_superkernel_overrides(args.overrides, "scope_search")
-    cfg = load_config(config, args.overrides)
+    cfg = load_config(config, args.overrides, check=False)  # each side's copy is validated before it runs
     platform = detect(cfg.model_config.device)
     space_path = Path(args.search_space).resolve() if args.search_space else DEFAULT_SPACE
     space = load_search_space(space_path)
