@@ -112,7 +112,8 @@ class ModelRunner:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], max_new_tokens: int,
-                 on_step: Callable[[int, float], None] | None = None) -> Generation:
+                 on_step: Callable[[int, float], None] | None = None,
+                 on_prefill: Callable[[float], None] | None = None) -> Generation:
         b = len(prompt_ids)
         lengths = torch.tensor([len(p) for p in prompt_ids], device=self.device)
         s = int(lengths.max())
@@ -134,6 +135,8 @@ class ModelRunner:
         hidden = self.model(ids, positions, self.cache, PREFILL_SCOPES)
         first_logits = self.model.logits(hidden[torch.arange(b), lengths - 1])
         prefill_ms = (self.now() - t0) * 1e3
+        if on_prefill:
+            on_prefill(prefill_ms)
         token = first_logits.argmax(-1, keepdim=True)                  # (B, 1)
         out, step_ms, logits = [token], [], first_logits
         pos = lengths.view(b, 1).clone()
@@ -171,8 +174,8 @@ class ModelRunner:
         profiler = self._profiler()
         with profiler:
             gen = self.generate(prompt_ids, sc.max_new_tokens,
-                                on_step=lambda i, ms: self.log(logs.format_decode(self.name, ms)))
-        self.log(logs.format_prefill(self.name, gen.prefill_ms))
+                                on_step=lambda i, ms: self.log(logs.format_decode(self.name, ms)),
+                                on_prefill=lambda ms: self.log(logs.format_prefill(self.name, ms)))
         steps = len(gen.decode_ms)
         tps = sc.batch_size * steps / (sum(gen.decode_ms) / 1e3) if steps else None
         if steps:

@@ -1,14 +1,15 @@
 """Portable graph mode and SuperKernel on CPU/CUDA, built on torch.compile (Inductor).
 
 ge_graph: the whole decode step is captured once (`fullgraph=True, dynamic=False`) and
-compiled by Inductor; every graph compiled is counted so recompiles show up in metrics.
+compiled by Inductor; every graph compiled is counted so recompiles show up in metrics. On CPU
+large decode GEMVs become generated reductions (_gemv_to_reduction), with or without scopes.
 
 SuperKernel: the scope markers (executor.scope) arrive in the FX graph. We split the graph at
 them and compile each scope segment as ONE launch unit: on CPU with Inductor's C++ wrapper
-(all the segment's kernels are called from one C++ function: no Python between them), on CUDA
-captured as one CUDA graph (Inductor cudagraphs). Code outside scopes keeps Inductor's default
-Python wrapper, which dispatches every kernel from Python: that per-kernel overhead is exactly
-what SuperKernel removes on Ascend, so the comparison is like for like.
+(all the segment's kernels are called from one C++ function: no Python between them) and its
+small GEMVs fused into the generated code; on CUDA captured by us as one CUDA graph. Code
+outside scopes keeps Inductor's default Python wrapper, which dispatches every kernel from
+Python: that per-kernel overhead is what SuperKernel removes on Ascend.
 
 A node that cannot join a scope (data-dependent output shape, e.g. nonzero/masked_select)
 cuts the scope into segments around it, as GE does with unfusable ops. Option
@@ -36,7 +37,7 @@ _MARKERS = (SCOPE_ENTER, SCOPE_EXIT, torch.ops.sk.scope_enter, torch.ops.sk.scop
 # segment from one C++ function (no Python between kernels), and the scope's small decode
 # GEMMs (M = 1) are decomposed into loops fused with their neighbours instead of one extern BLAS
 # call each (~10 us of call overhead apiece at these sizes). Outside scopes Inductor keeps its
-# Python wrapper and BLAS calls. Measured effect: BENCHMARKS.md.
+# Python wrapper and its BLAS calls for small GEMMs. Measured effect: BENCHMARKS.md.
 CPU_LAUNCH_UNIT = {"cpp_wrapper": True, "post_grad_fusion_options": {"decompose_mm_pass": {}}}
 INDUCTOR_DECOMPOSE_MAX_DIM = 2048  # Inductor's decompose_mm_pass only takes M=1 GEMMs with K, N <= this
 
