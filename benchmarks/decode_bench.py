@@ -11,9 +11,11 @@ and the bandwidth floor: weight bytes / measured read bandwidth (copy rate print
   python benchmarks/decode_bench.py --size qwen3-0.6b --plans decoder --steps 50
   python benchmarks/decode_bench.py --model qwen3_moe --size moe-debugmodel
 """
+
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import tempfile
@@ -38,6 +40,7 @@ PROMPT_LEN = 16
 def make_checkpoint(cfg: dict, path: Path, seed: int) -> None:
     """Random HF checkpoint of an architecture (std 0.1 weights, like our with_ckpt: false)."""
     import transformers
+
     config = transformers.AutoConfig.for_model(**cfg)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -65,6 +68,7 @@ def memory_bandwidth_gbs(nbytes: int = 1 << 29) -> tuple[float, float]:
             fn()
             times.append(time.perf_counter() - t0)
         return min(times)
+
     return nbytes / best(src.sum) / 1e9, nbytes / best(lambda: dst.copy_(src)) / 1e9
 
 
@@ -86,17 +90,22 @@ def hf_decode_ms(path: Path, prompt: list[int], steps: int) -> float:
         model.generate(ids, **kwargs)  # warm-up
         stamps.clear()
         model.generate(ids, stopping_criteria=transformers.StoppingCriteriaList([Stamp()]), **kwargs)
-    deltas = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+    deltas = [(b - a) * 1e3 for a, b in itertools.pairwise(stamps)]
     del model
     return statistics.median(deltas)
 
 
-def our_decode(recipe: str, path: Path, exe_mode: str, plan: str | None, prompt: list[int],
-               steps: int) -> tuple[float, float, list[int]]:
-    overrides = [f"model_config.model_path={path}", "model_config.with_ckpt=true",
-                 f"model_config.exe_mode={exe_mode}", f"scheduler_config.max_new_tokens={steps + 1}",
-                 f"data_config.input_max_len={PROMPT_LEN}",
-                 f"model_config.tokenizer_path={BUILTIN_TOKENIZER}"]  # ids are given; text is not used
+def our_decode(
+    recipe: str, path: Path, exe_mode: str, plan: str | None, prompt: list[int], steps: int
+) -> tuple[float, float, list[int]]:
+    overrides = [
+        f"model_config.model_path={path}",
+        "model_config.with_ckpt=true",
+        f"model_config.exe_mode={exe_mode}",
+        f"scheduler_config.max_new_tokens={steps + 1}",
+        f"data_config.input_max_len={PROMPT_LEN}",
+        f"model_config.tokenizer_path={BUILTIN_TOKENIZER}",
+    ]  # ids are given; text is not used
     if plan:
         overrides += ["model_config.superkernel.enable=true", f"model_config.superkernel.plan={plan}"]
     cfg = load_config(ROOT / "models" / recipe / "config.yaml", overrides)
@@ -117,7 +126,9 @@ def main(argv=None) -> int:
     p.add_argument("--plans", default="all", help="comma list of SuperKernel plans, 'all' or 'none'")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
-    p.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (shrink a big shape to fit memory)")
+    p.add_argument(
+        "--layers", type=int, default=0, help="override num_hidden_layers (shrink a big shape to fit memory)"
+    )
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -128,8 +139,12 @@ def main(argv=None) -> int:
     arch = arch_from_dict(cfg, args.size)
     prompt = [(7 * i + 3) % arch.vocab_size for i in range(PROMPT_LEN)]
     platform = detect("cpu")
-    print(f"# decode_bench: recipe {args.model}, size {args.size} ({arch.num_layers} layers), {args.steps} steps, batch 1, fp32, "
-          f"{platform.describe()}, torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    print(
+        f"# decode_bench: recipe {args.model}, size {args.size} ({arch.num_layers} layers), "
+        f"{args.steps} steps, batch 1, fp32, "
+        f"{platform.describe()}, torch {torch.__version__}, {torch.get_num_threads()} threads",
+        flush=True,
+    )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "ckpt"
@@ -137,8 +152,9 @@ def main(argv=None) -> int:
         if not args.no_hf:
             rows.append(("transformers eager generate", hf_decode_ms(path, prompt, args.steps), None, None))
             print(f"  measured {rows[-1][0]}", flush=True)
-        plans = {"all": ["attention", "moe" if arch.num_experts else "mlp", "layer", "decoder"],
-                 "none": []}.get(args.plans, [x for x in args.plans.split(",") if x])
+        plans = {"all": ["attention", "moe" if arch.num_experts else "mlp", "layer", "decoder"], "none": []}.get(
+            args.plans, [x for x in args.plans.split(",") if x]
+        )
         modes = [("eager", None), ("ge_graph", None)] + [("ge_graph", pl) for pl in plans]
         tokens_ref = None
         for exe_mode, plan in modes:
@@ -156,11 +172,15 @@ def main(argv=None) -> int:
     print("| mode | decode ms/step (median) | tokens/s | vs ge_graph | x floor | compile s | check |")
     print("|---|---|---|---|---|---|---|")
     for name, ms, compile_s, same in rows:
-        print(f"| {name} | {ms:.3f} | {1e3 / ms:.1f} | {graph_ms / ms:.2f}x | {ms / floor_ms:.2f} | "
-              f"{'' if compile_s is None else f'{compile_s:.1f}'} | {same or ''} |")
-    print(f"\nweights read per step: {weight_bytes / 1e6:.1f} MB fp32; read bandwidth {read_bw:.1f} GB/s "
-          f"-> bandwidth floor {floor_ms:.3f} ms/step (copy rate {copy_bw:.1f} GB/s copied, "
-          f"weight bytes / copy rate = {weight_bytes / (copy_bw * 1e9) * 1e3:.3f} ms)")
+        print(
+            f"| {name} | {ms:.3f} | {1e3 / ms:.1f} | {graph_ms / ms:.2f}x | {ms / floor_ms:.2f} | "
+            f"{'' if compile_s is None else f'{compile_s:.1f}'} | {same or ''} |"
+        )
+    print(
+        f"\nweights read per step: {weight_bytes / 1e6:.1f} MB fp32; read bandwidth {read_bw:.1f} GB/s "
+        f"-> bandwidth floor {floor_ms:.3f} ms/step (copy rate {copy_bw:.1f} GB/s copied, "
+        f"weight bytes / copy rate = {weight_bytes / (copy_bw * 1e9) * 1e3:.3f} ms)"
+    )
     return 0
 
 

@@ -4,6 +4,7 @@ Why a typed object: model code reads `arch.num_kv_heads`, not `config.get(...)` 
 defaults; a missing required field or an unsupported feature (rope scaling, sliding window)
 is an error naming the field rather than a silently different model.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,8 @@ class ModelArch:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool  # Qwen2: always; Qwen3: attention_bias
-    o_bias: bool    # Qwen3 only, with attention_bias
-    qk_norm: bool   # Qwen3 per-head RMSNorm on q and k
+    o_bias: bool  # Qwen3 only, with attention_bias
+    qk_norm: bool  # Qwen3 per-head RMSNorm on q and k
     # MoE (Qwen3-MoE); num_experts == 0 means dense
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -51,8 +52,7 @@ class ModelArch:
 
     def is_moe_layer(self, i: int) -> bool:
         """Qwen3-MoE's rule: MoE unless listed in mlp_only_layers or off the sparse step."""
-        return (self.num_experts > 0 and i not in self.mlp_only_layers
-                and (i + 1) % self.decoder_sparse_step == 0)
+        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
     def weight_bytes(self, dtype_bytes: int) -> int:
         """Bytes of weights one decode step reads: every layer (MoE: the router and only the k
@@ -61,8 +61,11 @@ class ModelArch:
         attn = h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
         total = self.vocab_size * h  # lm_head (tied or not); embedding rows are negligible
         for i in range(self.num_layers):
-            ffn = (3 * h * self.moe_intermediate_size * self.num_experts_per_tok + h * self.num_experts
-                   if self.is_moe_layer(i) else 3 * h * self.intermediate_size)
+            ffn = (
+                3 * h * self.moe_intermediate_size * self.num_experts_per_tok + h * self.num_experts
+                if self.is_moe_layer(i)
+                else 3 * h * self.intermediate_size
+            )
             total += attn + ffn
         return total * dtype_bytes
 
@@ -135,5 +138,7 @@ def load_arch(model_path: str, debug_size: str) -> ModelArch:
         return arch_from_dict(cfg, str(path))
     sizes = yaml.safe_load(MODEL_SIZES.read_text())
     if debug_size not in sizes:
-        raise ArchError(f"model_config.debug_size: {debug_size!r} is not a named size; allowed values: {', '.join(sizes)}")
+        raise ArchError(
+            f"model_config.debug_size: {debug_size!r} is not a named size; allowed values: {', '.join(sizes)}"
+        )
     return arch_from_dict(sizes[debug_size], f"{MODEL_SIZES.name}:{debug_size}")

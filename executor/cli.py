@@ -3,6 +3,7 @@
 Every known failure (bad config, missing checkpoint, impossible platform request) prints one
 line `error: ...` and exits with code 2; tracebacks are for bugs only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,20 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from executor.platform import PlatformError
     from executor.scope import ScopeError
     from executor.tokenizer import TokenizerError
-    return (ArchError, ConfigError, GraphBreakError, LoadError, PlatformError, ScopeError, ScopeCheckError, TokenizerError,
-            UnsupportedError, FileNotFoundError, ValueError)
+
+    return (
+        ArchError,
+        ConfigError,
+        GraphBreakError,
+        LoadError,
+        PlatformError,
+        ScopeError,
+        ScopeCheckError,
+        TokenizerError,
+        UnsupportedError,
+        FileNotFoundError,
+        ValueError,
+    )
 
 
 def recipes() -> list[str]:
@@ -36,6 +49,7 @@ def recipes() -> list[str]:
 def runner_class(recipe: str):
     if recipe not in recipes():
         from executor.config import ConfigError
+
         raise ConfigError(f"--model: {recipe!r} is not a recipe; allowed values: {', '.join(recipes())}")
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
@@ -46,16 +60,26 @@ def run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bash infer.sh",
         description="Run a model recipe: prefill + decode with the recipe's exe_mode and SuperKernel plan; "
-                    "prints per-step timings (cann-recipes-infer log format) and writes metrics.json.",
+        "prints per-step timings (cann-recipes-infer log format) and writes metrics.json.",
         epilog="examples:\n  bash infer.sh\n  bash infer.sh --set model_config.exe_mode=ge_graph "
-               "--set model_config.superkernel.enable=true --set model_config.superkernel.plan=attention\n"
-               "  bash infer.sh --model qwen --config my.yaml --set scheduler_config.max_new_tokens=32 --out /tmp/run",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen", help="recipe directory under models/ (default: qwen; "
-                                                   f"available: {', '.join(recipes())})")
+        "--set model_config.superkernel.enable=true --set model_config.superkernel.plan=attention\n"
+        "  bash infer.sh --model qwen --config my.yaml --set scheduler_config.max_new_tokens=32 --out /tmp/run",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        default="qwen",
+        help=f"recipe directory under models/ (default: qwen; available: {', '.join(recipes())})",
+    )
     p.add_argument("--config", help="recipe YAML (default: models/<model>/config.yaml)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, type-checked, e.g. scheduler_config.batch_size=2 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, type-checked, e.g. scheduler_config.batch_size=2 (repeatable)",
+    )
     p.add_argument("--out", help="output directory (default: models/<model>/res/<date>/<case>/)")
     return p
 
@@ -77,8 +101,7 @@ def cmd_run(argv: list[str]) -> int:
     runner = runner_cls(cfg, platform, out, stream)
     metrics = runner.run()
     sk = metrics["superkernel"]
-    stream.write(f"[run] superkernel requested={sk['requested']} ran={sk['ran']} plan={sk['plan']}; "
-                 f"results in {out}\n")
+    stream.write(f"[run] superkernel requested={sk['requested']} ran={sk['ran']} plan={sk['plan']}; results in {out}\n")
     stream.flush()
     return 0
 

@@ -8,6 +8,7 @@ are errors naming the key, and impossible combinations are rejected before anyth
 Architecture (layer count, head sizes, ...) never lives here: it comes from the checkpoint's
 config.json or from a named debug size in configs/model_sizes.yaml.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -217,24 +218,37 @@ def validate(cfg: RunConfig) -> None:
     mc = cfg.model_config
     sk = mc.superkernel
     if mc.exe_mode == "eager":
-        graph_only = [name for name, on in (("model_config.superkernel.enable", sk.enable),
-                                             ("model_config.enable_cache_compile", mc.enable_cache_compile)) if on]
+        graph_only = [
+            name
+            for name, on in (
+                ("model_config.superkernel.enable", sk.enable),
+                ("model_config.enable_cache_compile", mc.enable_cache_compile),
+            )
+            if on
+        ]
         if graph_only:
-            raise ConfigError(f"{graph_only[0]}: eager does not support graph-only features; "
-                              f"set model_config.exe_mode to ge_graph or npugraph_ex, or disable it")
+            raise ConfigError(
+                f"{graph_only[0]}: eager does not support graph-only features; "
+                f"set model_config.exe_mode to ge_graph or npugraph_ex, or disable it"
+            )
     if sk.plan == "custom" and sk.enable and not sk.custom:
-        raise ConfigError("model_config.superkernel.custom: plan 'custom' needs at least one "
-                          "{regions: [...], label: ..., options: ...} entry")
+        raise ConfigError(
+            "model_config.superkernel.custom: plan 'custom' needs at least one "
+            "{regions: [...], label: ..., options: ...} entry"
+        )
     if mc.with_ckpt and not mc.model_path:
         raise ConfigError("model_config.model_path: with_ckpt is true but no checkpoint directory is set")
-    for name, value in (("scheduler_config.batch_size", cfg.scheduler_config.batch_size),
-                        ("scheduler_config.max_new_tokens", cfg.scheduler_config.max_new_tokens),
-                        ("data_config.input_max_len", cfg.data_config.input_max_len)):
+    for name, value in (
+        ("scheduler_config.batch_size", cfg.scheduler_config.batch_size),
+        ("scheduler_config.max_new_tokens", cfg.scheduler_config.max_new_tokens),
+        ("data_config.input_max_len", cfg.data_config.input_max_len),
+    ):
         if value < 1:
             raise ConfigError(f"{name}: must be >= 1, got {value}")
     if cfg.parallel_config.world_size != 1:
-        raise ConfigError(f"parallel_config.world_size: {cfg.parallel_config.world_size} is not supported yet; "
-                          "allowed values: 1")
+        raise ConfigError(
+            f"parallel_config.world_size: {cfg.parallel_config.world_size} is not supported yet; allowed values: 1"
+        )
     if not cfg.data_config.prompts and not cfg.data_config.dataset:
         raise ConfigError("data_config.prompts: give at least one prompt or a data_config.dataset file")
     from executor.scope import parse_options  # late import: scope imports torch

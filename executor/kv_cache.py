@@ -4,21 +4,31 @@ Why static: the decode step must have the same shapes every step so it compiles 
 graph mode needs `dynamic=False`; Inductor would otherwise recompile). Every row owns slots
 0..max_len-1; a token at absolute position p writes slot p, and attention masks slots > p.
 """
+
 from __future__ import annotations
 
 import torch
 
 
 class KVCache:
-    def __init__(self, num_layers: int, batch: int, num_kv_heads: int, max_len: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
         shape = (batch, num_kv_heads, max_len, head_dim)  # (B, Hkv, T, D)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_len = max_len
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (B, Hkv, S, D) at `positions` (B, S); return the full (B, Hkv, T, D) caches."""
         b, h, s, d = k.shape
         index = positions.view(b, 1, s, 1).expand(b, h, s, d)

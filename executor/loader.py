@@ -6,11 +6,12 @@ says how HF tensors stack into them, so model code never handles checkpoint name
 parameter must be loaded and every checkpoint tensor consumed: a partial load is an error,
 never random weights in disguise.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors import SafetensorError
@@ -46,8 +47,9 @@ def checkpoint_files(model_path: str | Path) -> list[Path]:
     single = root / "model.safetensors"
     if single.is_file():
         return [single]
-    raise LoadError(f"{root}: no model.safetensors or model.safetensors.index.json "
-                    "(only safetensors checkpoints are supported)")
+    raise LoadError(
+        f"{root}: no model.safetensors or model.safetensors.index.json (only safetensors checkpoints are supported)"
+    )
 
 
 def read_checkpoint(model_path: str | Path) -> dict[str, torch.Tensor]:
@@ -84,8 +86,12 @@ def remap(hf: dict[str, torch.Tensor], stacked: dict[str, tuple[str, ...]] = STA
     return out
 
 
-def load_weights(model: torch.nn.Module, model_path: str | Path, dtype: torch.dtype,
-                 extra_remap: Callable[[dict], dict] | None = None) -> None:
+def load_weights(
+    model: torch.nn.Module,
+    model_path: str | Path,
+    dtype: torch.dtype,
+    extra_remap: Callable[[dict], dict] | None = None,
+) -> None:
     """Load a checkpoint into `model` in place; any missing/unexpected/mis-shaped tensor is an error."""
     state = remap(read_checkpoint(model_path))
     if extra_remap is not None:
@@ -101,8 +107,9 @@ def load_weights(model: torch.nn.Module, model_path: str | Path, dtype: torch.dt
         raise LoadError(f"{model_path}: checkpoint does not match the model architecture: {what}")
     for name, tensor in state.items():
         if tuple(tensor.shape) != tuple(own[name].shape):
-            raise LoadError(f"{model_path}: tensor {name} has shape {tuple(tensor.shape)}, "
-                            f"model expects {tuple(own[name].shape)}")
+            raise LoadError(
+                f"{model_path}: tensor {name} has shape {tuple(tensor.shape)}, model expects {tuple(own[name].shape)}"
+            )
     with torch.no_grad():
         for name, param in model.state_dict(keep_vars=True).items():
             param.copy_(state[name].to(dtype))

@@ -16,19 +16,28 @@ Parsing is per line and tolerant of what real logs add around these lines: ANSI 
 logger prefixes (level, timestamp, rank), ``ms`` with or without a space, ints or floats,
 CRLF line endings.
 """
+
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
 __all__ = [
-    "LogParseError", "ParsedLog", "format_prefill", "format_decode", "format_average",
-    "format_throughput", "format_run_shape", "iqr_filter", "decode_average_ms",
-    "parse_log", "parse_log_file",
+    "LogParseError",
+    "ParsedLog",
+    "decode_average_ms",
+    "format_average",
+    "format_decode",
+    "format_prefill",
+    "format_run_shape",
+    "format_throughput",
+    "iqr_filter",
+    "parse_log",
+    "parse_log_file",
 ]
 
 
@@ -94,14 +103,15 @@ _DECODE = re.compile(_NAME + r"\s+inference time cost of decode is\s*" + _NUM + 
 # average refuses the token "decode" as a model name (that is the other line), and the
 # decode-average one needs "decode" right before "average".
 _DECODE_AVG = re.compile(
-    r"(?:" + _NAME + r"\s+)?(?<![A-Za-z0-9_.\-])decode average inference time cost is\s*"
-    + _NUM + _MS, _F)
+    r"(?:" + _NAME + r"\s+)?(?<![A-Za-z0-9_.\-])decode average inference time cost is\s*" + _NUM + _MS, _F
+)
 _AVG = re.compile(
     r"(?<![A-Za-z0-9_.\-])(?!decode\s+average\b)(?P<name>[A-Za-z0-9_.\-]+)"
-    r"\s+average inference time cost is\s*" + _NUM + _MS, _F)
+    r"\s+average inference time cost is\s*" + _NUM + _MS,
+    _F,
+)
 _TPS = re.compile(_NAME + r"\s+decode throughput is\s*" + _NUM + r"\s*tokens/s", _F)
-_SHAPE = re.compile(
-    _NAME + r"\s+batch[ _]size is\s*(?P<bs>\d+)\s*,\s*decode[ _]steps is\s*(?P<steps>\d+)", _F)
+_SHAPE = re.compile(_NAME + r"\s+batch[ _]size is\s*(?P<bs>\d+)\s*,\s*decode[ _]steps is\s*(?P<steps>\d+)", _F)
 
 
 @dataclass
@@ -110,12 +120,12 @@ class ParsedLog:
 
     path: str | None = None
     model_name: str | None = None
-    prefill_ms: float | None = None          # first prefill line
+    prefill_ms: float | None = None  # first prefill line
     prefill_ms_all: list[float] = field(default_factory=list)
     decode_ms: list[float] = field(default_factory=list)  # per-step lines, in order
-    average_ms: float | None = None           # last "average inference time cost is" line
-    decode_average_ms: float | None = None    # last "decode average ..." line
-    tokens_per_s: float | None = None         # last "decode throughput is" line
+    average_ms: float | None = None  # last "average inference time cost is" line
+    decode_average_ms: float | None = None  # last "decode average ..." line
+    tokens_per_s: float | None = None  # last "decode throughput is" line
     batch_size: int | None = None
     decode_steps: int | None = None
 
@@ -134,7 +144,8 @@ class ParsedLog:
         raise LogParseError(
             f"{self.path or '<log text>'}: no decode timing found (expected lines like "
             "'<model> inference time cost of decode is X ms' or "
-            "'<model> average inference time cost is X ms')")
+            "'<model> average inference time cost is X ms')"
+        )
 
 
 def parse_log(text: str, path: str | None = None) -> ParsedLog:

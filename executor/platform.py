@@ -7,6 +7,7 @@ CANN libraries), so it is imported lazily, only inside :func:`detect`, and every
 of evidence (``npu-smi`` text, the CANN install file) is parsed by pure functions that the
 tests exercise with recorded samples.
 """
+
 from __future__ import annotations
 
 import glob
@@ -144,20 +145,22 @@ def _npu_platform(torch_npu) -> Platform:
     """Name the SoC: torch_npu first, then npu-smi's board view, then its table."""
     try:
         name = str(torch_npu.npu.get_device_name())
-        return Platform("npu", soc_class_from_name(name), name,
-                        f"torch_npu.npu.get_device_name() = {name}")
+        return Platform("npu", soc_class_from_name(name), name, f"torch_npu.npu.get_device_name() = {name}")
     except Exception as exc:  # a broken driver must not hide the NPU itself
         first_error = f"get_device_name() failed ({type(exc).__name__})"
     board = _run_npu_smi("info", "-t", "board", "-i", "0", "-c", "0")
     name = parse_npu_smi_board(board) if board else None
     if name:
-        return Platform("npu", soc_class_from_name(name), name,
-                        f"{first_error}; npu-smi board: Chip/NPU Name = {name}")
+        return Platform("npu", soc_class_from_name(name), name, f"{first_error}; npu-smi board: Chip/NPU Name = {name}")
     table = _run_npu_smi("info")
     chips = parse_npu_smi(table) if table else []
     if chips:
-        return Platform("npu", soc_class_from_npu_smi(table), chips[0].name,
-                        f"{first_error}; npu-smi info lists {len(chips)} chip(s) named {chips[0].name}")
+        return Platform(
+            "npu",
+            soc_class_from_npu_smi(table),
+            chips[0].name,
+            f"{first_error}; npu-smi info lists {len(chips)} chip(s) named {chips[0].name}",
+        )
     return Platform("npu", "unknown", "Ascend (unknown SoC)", f"{first_error}; npu-smi unavailable")
 
 
@@ -228,7 +231,7 @@ def _dist_version(name: str) -> str | None:
 def software_versions() -> dict[str, str | None]:
     """Versions for run reports; torch_npu is looked up in metadata, never imported."""
     return {
-        "python": "%d.%d.%d" % sys.version_info[:3],
+        "python": "{}.{}.{}".format(*sys.version_info[:3]),
         "torch": torch.__version__,
         "torch_npu": _dist_version("torch_npu"),
         "cann": cann_version(),

@@ -4,6 +4,7 @@ cache -> timings, cann-recipes-infer log lines and metrics.json.
 A recipe's runner_<name>.py subclasses `ModelRunner` to say how to build its model; all the
 measurement logic lives here once so every recipe is timed the same way.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -11,9 +12,10 @@ import json
 import resource
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import TextIO
 
 import torch
 
@@ -24,7 +26,7 @@ from executor.config import RunConfig, to_dict
 from executor.kv_cache import KVCache
 from executor.loader import init_random, load_weights
 from executor.platform import Platform, software_versions
-from executor.scope import PREFILL_SCOPES, NO_PLAN, ScopePlan, ScopeRunner, build_plan
+from executor.scope import NO_PLAN, PREFILL_SCOPES, ScopePlan, ScopeRunner, build_plan
 from executor.tokenizer import BUILTIN_TOKENIZER, Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -35,9 +37,9 @@ class Generation:
     prompt_ids: list[list[int]]
     token_ids: list[list[int]]  # generated tokens per row
     prefill_ms: float
-    decode_ms: list[float]      # one per decode step (the first token comes from prefill)
+    decode_ms: list[float]  # one per decode step (the first token comes from prefill)
     first_logits: torch.Tensor  # (B, V) fp32 logits of the prefill's last real token
-    last_logits: torch.Tensor   # (B, V) logits of the last decode step
+    last_logits: torch.Tensor  # (B, V) logits of the last decode step
 
 
 class ModelRunner:
@@ -51,8 +53,7 @@ class ModelRunner:
         """Hook for recipe-specific checkpoint layouts (e.g. stacking MoE experts)."""
         return state
 
-    def __init__(self, cfg: RunConfig, platform: Platform, out_dir: Path | None = None,
-                 stream: TextIO | None = None):
+    def __init__(self, cfg: RunConfig, platform: Platform, out_dir: Path | None = None, stream: TextIO | None = None):
         self.cfg, self.platform, self.out_dir = cfg, platform, out_dir
         self.stream = stream or sys.stdout
         mc = cfg.model_config
@@ -60,8 +61,10 @@ class ModelRunner:
         self.device = torch.device(platform.kind if platform.kind != "npu" else "npu")
         self.arch = load_arch(mc.model_path, mc.debug_size)
         if self.model_types and self.arch.model_type not in self.model_types:
-            raise ValueError(f"{self.arch.source}: model_type {self.arch.model_type!r} does not belong to the "
-                             f"{self.recipe} recipe (it runs {', '.join(self.model_types)})")
+            raise ValueError(
+                f"{self.arch.source}: model_type {self.arch.model_type!r} does not belong to the "
+                f"{self.recipe} recipe (it runs {', '.join(self.model_types)})"
+            )
         torch.manual_seed(mc.seed)
         prepare_platform(platform, mc)
         self.model = self.build_model(self.arch).to(self.dtype)
@@ -72,8 +75,9 @@ class ModelRunner:
         self.model.to(self.device).eval()
         self.tokenizer = Tokenizer.from_file(self._tokenizer_path())
         sk = mc.superkernel
-        self.plan: ScopePlan = (build_plan(self.model.regions(), sk.plan, sk.options, sk.custom, mc.model_name)
-                                if sk.enable else NO_PLAN)
+        self.plan: ScopePlan = (
+            build_plan(self.model.regions(), sk.plan, sk.options, sk.custom, mc.model_name) if sk.enable else NO_PLAN
+        )
         self.decode_scopes = ScopeRunner(self.plan, active=True)
         self.cache: KVCache | None = None
         self.backend = None
@@ -87,6 +91,7 @@ class ModelRunner:
             return Path(mc.model_path) / "tokenizer.json"
         if mc.model_path and mc.with_ckpt:
             from executor.tokenizer import TokenizerError
+
             raise TokenizerError(f"{mc.model_path}: tokenizer.json not found (set model_config.tokenizer_path)")
         return Path(BUILTIN_TOKENIZER)
 
@@ -111,9 +116,13 @@ class ModelRunner:
         return self.model.logits(hidden[:, -1])
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], max_new_tokens: int,
-                 on_step: Callable[[int, float], None] | None = None,
-                 on_prefill: Callable[[float], None] | None = None) -> Generation:
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        max_new_tokens: int,
+        on_step: Callable[[int, float], None] | None = None,
+        on_prefill: Callable[[float], None] | None = None,
+    ) -> Generation:
         b = len(prompt_ids)
         lengths = torch.tensor([len(p) for p in prompt_ids], device=self.device)
         s = int(lengths.max())
@@ -123,13 +132,14 @@ class ModelRunner:
             # Sized from config only, so every call has the same shapes (no recompiles). Reusing
             # it is safe: each slot a query can see is rewritten by this call before it is read.
             max_len = self.cfg.data_config.input_max_len + self.cfg.scheduler_config.max_new_tokens
-            self.cache = KVCache(len(self.model.layers), b, self.arch.num_kv_heads, max_len,
-                                 self.arch.head_dim, self.dtype, self.device)
+            self.cache = KVCache(
+                len(self.model.layers), b, self.arch.num_kv_heads, max_len, self.arch.head_dim, self.dtype, self.device
+            )
         if self.backend is None:
             self.backend = compile_decode(self._decode_step, self.cfg.model_config, self.platform)
         ids = torch.zeros(b, s, dtype=torch.long, device=self.device)  # right-padded
         for i, p in enumerate(prompt_ids):
-            ids[i, :len(p)] = torch.tensor(p)
+            ids[i, : len(p)] = torch.tensor(p)
         positions = torch.arange(s, device=self.device).expand(b, s)
         t0 = self.now()
         hidden = self.model(ids, positions, self.cache, PREFILL_SCOPES)
@@ -137,7 +147,7 @@ class ModelRunner:
         prefill_ms = (self.now() - t0) * 1e3
         if on_prefill:
             on_prefill(prefill_ms)
-        token = first_logits.argmax(-1, keepdim=True)                  # (B, 1)
+        token = first_logits.argmax(-1, keepdim=True)  # (B, 1)
         out, step_ms, logits = [token], [], first_logits
         pos = lengths.view(b, 1).clone()
         for i in range(max_new_tokens - 1):
@@ -163,9 +173,11 @@ class ModelRunner:
     def run(self) -> dict:
         sc, mc = self.cfg.scheduler_config, self.cfg.model_config
         prompt_ids = self.encode_prompts()
-        self.log(f"[run] {mc.model_name}: {self.arch.model_type} from {self.arch.source}, "
-                 f"{'checkpoint' if mc.with_ckpt else 'random'} weights, {mc.dtype}, platform {self.platform.describe()}, "
-                 f"exe_mode {mc.exe_mode}, superkernel {'plan ' + self.plan.name if mc.superkernel.enable else 'off'}")
+        self.log(
+            f"[run] {mc.model_name}: {self.arch.model_type} from {self.arch.source}, "
+            f"{'checkpoint' if mc.with_ckpt else 'random'} weights, {mc.dtype}, platform {self.platform.describe()}, "
+            f"exe_mode {mc.exe_mode}, superkernel {'plan ' + self.plan.name if mc.superkernel.enable else 'off'}"
+        )
         # Warm-up on the same shapes: compiles the decode step (idempotent: same tokens, same slots).
         t0 = self.now()
         self.generate(prompt_ids, min(2, sc.max_new_tokens))
@@ -173,9 +185,12 @@ class ModelRunner:
         self.log(f"[run] warm-up (compile) took {warmup_s:.2f} s")
         profiler = self._profiler()
         with profiler:
-            gen = self.generate(prompt_ids, sc.max_new_tokens,
-                                on_step=lambda i, ms: self.log(logs.format_decode(self.name, ms)),
-                                on_prefill=lambda ms: self.log(logs.format_prefill(self.name, ms)))
+            gen = self.generate(
+                prompt_ids,
+                sc.max_new_tokens,
+                on_step=lambda i, ms: self.log(logs.format_decode(self.name, ms)),
+                on_prefill=lambda ms: self.log(logs.format_prefill(self.name, ms)),
+            )
         steps = len(gen.decode_ms)
         tps = sc.batch_size * steps / (sum(gen.decode_ms) / 1e3) if steps else None
         if steps:
@@ -197,50 +212,78 @@ class ModelRunner:
     def _profiler(self):
         if not self.cfg.model_config.enable_profiler:
             import contextlib
+
             return contextlib.nullcontext()
         return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
 
     def _until_eos(self, tokens: list[int]) -> list[int]:
         eos = self.tokenizer.eos_token_id
-        return tokens[:tokens.index(eos)] if eos is not None and eos in tokens else tokens
+        return tokens[: tokens.index(eos)] if eos is not None and eos in tokens else tokens
 
     def _metrics(self, gen: Generation, texts: list[str], tps: float | None, warmup_s: float) -> dict:
         mc = self.cfg.model_config
         stats = self.backend.stats()
-        peak = (torch.cuda.max_memory_allocated() / 2**20 if self.platform.kind == "cuda"
-                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        peak = (
+            torch.cuda.max_memory_allocated() / 2**20
+            if self.platform.kind == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        )
         ran = bool(stats.get("superkernel_ran")) and mc.superkernel.enable
         return {
-            "model_name": mc.model_name, "recipe": self.recipe, "model_type": self.arch.model_type,
+            "model_name": mc.model_name,
+            "recipe": self.recipe,
+            "model_type": self.arch.model_type,
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "platform": self.platform.kind, "soc_class": self.platform.soc_class,
-            "device_name": self.platform.device_name, "platform_reason": self.platform.reason,
-            "versions": software_versions(), "torch_version": torch.__version__,
-            "exe_mode": mc.exe_mode, "backend": self.backend.name, "dtype": mc.dtype,
+            "platform": self.platform.kind,
+            "soc_class": self.platform.soc_class,
+            "device_name": self.platform.device_name,
+            "platform_reason": self.platform.reason,
+            "versions": software_versions(),
+            "torch_version": torch.__version__,
+            "exe_mode": mc.exe_mode,
+            "backend": self.backend.name,
+            "dtype": mc.dtype,
             "ops": ops.implementations(),
-            "superkernel": {"requested": mc.superkernel.enable, "ran": ran, "plan": self.plan.name,
-                            "options": mc.superkernel.options,
-                            "scopes": stats.get("scopes", [{"label": s.label, "region": s.region, "options": s.options}
-                                                           for s in self.plan.scopes])},
+            "superkernel": {
+                "requested": mc.superkernel.enable,
+                "ran": ran,
+                "plan": self.plan.name,
+                "options": mc.superkernel.options,
+                "scopes": stats.get(
+                    "scopes", [{"label": s.label, "region": s.region, "options": s.options} for s in self.plan.scopes]
+                ),
+            },
             "regions": [r.name for r in self.model.regions()],
-            "compile": {k: v for k, v in stats.items() if k not in ("scopes", "superkernel_ran")} | {"warmup_s": round(warmup_s, 3)},
-            "batch_size": len(gen.token_ids), "decode_steps": len(gen.decode_ms),
-            "prefill_ms": gen.prefill_ms, "decode_ms": gen.decode_ms,
+            "compile": {k: v for k, v in stats.items() if k not in ("scopes", "superkernel_ran")}
+            | {"warmup_s": round(warmup_s, 3)},
+            "batch_size": len(gen.token_ids),
+            "decode_steps": len(gen.decode_ms),
+            "prefill_ms": gen.prefill_ms,
+            "decode_ms": gen.decode_ms,
             "decode_ms_median": statistics.median(gen.decode_ms) if gen.decode_ms else None,
             "decode_ms_average": logs.decode_average_ms(gen.decode_ms) if gen.decode_ms else None,
-            "tokens_per_s": tps, "peak_memory_mb": round(peak, 1),
-            "prompt_token_ids": gen.prompt_ids, "generated_token_ids": gen.token_ids, "text": texts,
+            "tokens_per_s": tps,
+            "peak_memory_mb": round(peak, 1),
+            "prompt_token_ids": gen.prompt_ids,
+            "generated_token_ids": gen.token_ids,
+            "text": texts,
             "config": to_dict(self.cfg),
         }
 
 
 def write_scope_report(out_dir: Path, sk: dict) -> None:
     """Per-scope report (label, options, ops, segments, why cut) next to metrics.json."""
-    lines = [f"# SuperKernel scopes: plan {sk['plan']}, requested {sk['requested']}, ran {sk['ran']}", "",
-             "| label | options | ops | segments | launches | unfused | cut reasons |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# SuperKernel scopes: plan {sk['plan']}, requested {sk['requested']}, ran {sk['ran']}",
+        "",
+        "| label | options | ops | segments | launches | unfused | cut reasons |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for s in sk["scopes"]:
-        lines.append(f"| {s['label']} | {s.get('options') or '-'} | {s.get('ops', '-')} | {s.get('segments', '-')} | "
-                     f"{s.get('launches', '-')} | {s.get('unfused', '-')} | {'; '.join(s.get('cut_reasons', [])) or '-'} |")
+        lines.append(
+            f"| {s['label']} | {s.get('options') or '-'} | {s.get('ops', '-')} | {s.get('segments', '-')} | "
+            f"{s.get('launches', '-')} | {s.get('unfused', '-')} | {'; '.join(s.get('cut_reasons', [])) or '-'} |"
+        )
     (out_dir / "superkernel_scopes.md").write_text("\n".join(lines) + "\n")
 
 

@@ -11,12 +11,14 @@ that compiled the decode step, installed once with `set_scope_impl`:
 - "torchair" / "npugraph_ex" (Ascend): `executor.backends.npu` supplies a context factory that
   calls `torchair.scope.super_kernel` or `torch.npu.super_kernel_scope_begin/end`.
 """
+
 from __future__ import annotations
 
 import contextlib
 import fnmatch
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Iterable
 
 import torch
 
@@ -109,7 +111,7 @@ class _NoScope:
         return False
 
 
-ScopeFactory = Callable[[str, str], ContextManager]
+ScopeFactory = Callable[[str, str], AbstractContextManager]
 _scope_factory: ScopeFactory = _MarkerScope
 
 
@@ -119,7 +121,7 @@ def set_scope_impl(factory: ScopeFactory | None) -> None:
     _scope_factory = factory or _MarkerScope
 
 
-def superkernel_scope(enable: bool, label: str, options: str = "") -> ContextManager:
+def superkernel_scope(enable: bool, label: str, options: str = "") -> AbstractContextManager:
     """The documented Ascend idiom: a SuperKernel scope when enabled, else a no-op context."""
     if not enable:
         return _NoScope()  # a fresh object: dynamo only enters context managers created in the traced code
@@ -143,8 +145,11 @@ def decoder_regions(num_layers: int, ffn_kinds: Iterable[str]) -> list[Region]:
     """The standard region set of a decoder-only model; ffn_kinds[i] is "mlp" or "moe"."""
     regions = [Region("decode_layers", "decoder")]
     for i, ffn in enumerate(ffn_kinds):
-        regions += [Region(f"layer_{i}", "layer", i), Region(f"layer_{i}_attn", "attention", i),
-                    Region(f"layer_{i}_{ffn}", ffn, i)]
+        regions += [
+            Region(f"layer_{i}", "layer", i),
+            Region(f"layer_{i}_attn", "attention", i),
+            Region(f"layer_{i}_{ffn}", ffn, i),
+        ]
     assert len(regions) == 1 + 3 * num_layers
     return regions
 
@@ -178,8 +183,9 @@ def _contains(outer: Region, inner: Region) -> bool:
     return outer.kind == "layer" and inner.layer == outer.layer and inner.kind != "layer"
 
 
-def build_plan(regions: list[Region], plan: str, options: str = "",
-               custom: Iterable = (), model_name: str = "model") -> ScopePlan:
+def build_plan(
+    regions: list[Region], plan: str, options: str = "", custom: Iterable = (), model_name: str = "model"
+) -> ScopePlan:
     """Turn a plan name (or custom selectors) into the scopes to open, validated against regions."""
     if plan == "custom":
         specs: list[ScopeSpec] = []
@@ -189,19 +195,25 @@ def build_plan(regions: list[Region], plan: str, options: str = "",
             for pattern in entry.regions:
                 hits = fnmatch.filter(names, pattern)
                 if not hits:
-                    raise ScopeError(f"superkernel.custom[{i}].regions: {pattern!r} matches no region of "
-                                     f"{model_name}; regions are e.g. {', '.join(names[:5])}, ...")
+                    raise ScopeError(
+                        f"superkernel.custom[{i}].regions: {pattern!r} matches no region of "
+                        f"{model_name}; regions are e.g. {', '.join(names[:5])}, ..."
+                    )
                 specs += [ScopeSpec(h, entry.label, entry.options or options) for h in hits]
     else:
         kinds = {"attention": "attention", "mlp": "mlp", "moe": "moe", "layer": "layer", "decoder": "decoder"}
         if plan not in kinds:
-            raise ScopeError(f"superkernel.plan: {plan!r} is not a plan; allowed values: "
-                             f"{', '.join(list(kinds) + ['custom'])}")
+            raise ScopeError(
+                f"superkernel.plan: {plan!r} is not a plan; allowed values: {', '.join(list(kinds) + ['custom'])}"
+            )
         specs = [ScopeSpec(r.name, r.name, options) for r in regions if r.kind == kinds[plan]]
         if not specs:
             present = sorted({r.kind for r in regions} - {"layer", "decoder"})
-            raise ScopeError(f"superkernel.plan: {plan!r} marks no region of {model_name}; "
-                             f"it has {', '.join(present)} regions (plans: attention, {', '.join(k for k in present if k != 'attention')}, layer, decoder, custom)")
+            usable = ", ".join(["attention", *(k for k in present if k != "attention"), "layer", "decoder", "custom"])
+            raise ScopeError(
+                f"superkernel.plan: {plan!r} marks no region of {model_name}; "
+                f"it has {', '.join(present)} regions (plans: {usable})"
+            )
     by_name = {r.name: r for r in regions}
     seen: dict[str, ScopeSpec] = {}
     for spec in specs:
@@ -211,8 +223,9 @@ def build_plan(regions: list[Region], plan: str, options: str = "",
     for a in seen:
         for b in seen:
             if a != b and _contains(by_name[a], by_name[b]):
-                raise ScopeError(f"superkernel.custom: regions {a} and {b} are nested; "
-                                 "a region may be in at most one scope")
+                raise ScopeError(
+                    f"superkernel.custom: regions {a} and {b} are nested; a region may be in at most one scope"
+                )
     return ScopePlan(plan, tuple(specs))
 
 
@@ -227,7 +240,7 @@ class ScopeRunner:
         self.active = active
         self._specs = plan.by_region()
 
-    def region(self, name: str) -> ContextManager:
+    def region(self, name: str) -> AbstractContextManager:
         spec = self._specs.get(name) if self.active else None
         if spec is None:
             return _NoScope()  # a fresh object: dynamo only enters context managers created in the traced code

@@ -5,13 +5,20 @@ improvement (base - opt) / base, and a stability verdict from the coefficient of
 variation. These helpers implement exactly that, plus one guard the workflow leaves
 implicit: a speedup smaller than the run-to-run noise is not a speedup.
 """
+
 from __future__ import annotations
 
 import statistics
-from typing import Sequence
+from collections.abc import Sequence
 
-__all__ = ["median", "cv_percent", "stability_verdict", "improvement_percent",
-           "throughput_gain_percent", "exceeds_noise"]
+__all__ = [
+    "cv_percent",
+    "exceeds_noise",
+    "improvement_percent",
+    "median",
+    "stability_verdict",
+    "throughput_gain_percent",
+]
 
 
 def _floats(xs, what: str) -> list[float]:
@@ -95,7 +102,4 @@ def exceeds_noise(base_runs: Sequence[float], opt_runs: Sequence[float]) -> bool
     noise = max(_std(base), _std(opt), 1e-9)
     if abs(median(opt) - median(base)) <= 2.0 * noise:
         return False
-    if len(base) >= 3 and len(opt) >= 3:
-        if not (max(opt) < min(base) or max(base) < min(opt)):
-            return False
-    return True
+    return not (len(base) >= 3 and len(opt) >= 3 and not (max(opt) < min(base) or max(base) < min(opt)))

@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     import tokenizers
 
 __all__ = [
-    "BUILTIN_TOKENIZER",
     "BUILTIN_CORPUS",
+    "BUILTIN_TOKENIZER",
     "ENDOFTEXT",
     "Tokenizer",
     "TokenizerError",
@@ -95,7 +96,7 @@ class Tokenizer:
 
     def __init__(
         self,
-        tokenizer: "tokenizers.Tokenizer",
+        tokenizer: tokenizers.Tokenizer,
         eos_token_id: int | None = None,
         path: Path | None = None,
         eos_token_ids: Sequence[int] | None = None,
@@ -114,7 +115,7 @@ class Tokenizer:
 
     # -- construction -------------------------------------------------------
     @classmethod
-    def from_file(cls, path: str | os.PathLike) -> "Tokenizer":
+    def from_file(cls, path: str | os.PathLike) -> Tokenizer:
         """Load ``path`` (a tokenizer.json, or a directory that contains one).
 
         The eos id is taken, in order of preference, from a sibling
@@ -159,7 +160,7 @@ class Tokenizer:
         return cls(tok, eos_token_id=eos_id, path=file, eos_token_ids=eos_ids)
 
     @classmethod
-    def builtin(cls) -> "Tokenizer":
+    def builtin(cls) -> Tokenizer:
         """The repository's built-in 512-token byte-level BPE tokenizer."""
         return cls.from_file(BUILTIN_TOKENIZER)
 
@@ -184,15 +185,12 @@ class Tokenizer:
         return self._tok.id_to_token(int(token_id))
 
     @property
-    def backend(self) -> "tokenizers.Tokenizer":
+    def backend(self) -> tokenizers.Tokenizer:
         """The wrapped ``tokenizers.Tokenizer``."""
         return self._tok
 
     def __repr__(self) -> str:
-        return (
-            f"Tokenizer(path={str(self.path)!r}, vocab_size={self.vocab_size}, "
-            f"eos_token_id={self.eos_token_id})"
-        )
+        return f"Tokenizer(path={str(self.path)!r}, vocab_size={self.vocab_size}, eos_token_id={self.eos_token_id})"
 
     # -- helpers ------------------------------------------------------------
     def _eos_from_special_tokens(self) -> int | None:
@@ -216,7 +214,7 @@ class Tokenizer:
 
 def train_builtin_tokenizer(
     corpus_path: str | os.PathLike = BUILTIN_CORPUS, vocab_size: int = 512
-) -> "tokenizers.Tokenizer":
+) -> tokenizers.Tokenizer:
     """Train the built-in byte-level BPE tokenizer on ``corpus_path``.
 
     ByteLevel pre-tokenizer and decoder (so ``decode(encode(text)) == text`` for
@@ -251,7 +249,5 @@ def train_builtin_tokenizer(
     tok.add_special_tokens([AddedToken(ENDOFTEXT, special=True, normalized=False)])
     got = tok.get_vocab_size(with_added_tokens=True)
     if got != vocab_size:
-        raise TokenizerError(
-            f"corpus {corpus} is too small for vocab_size={vocab_size} (trained {got} tokens)"
-        )
+        raise TokenizerError(f"corpus {corpus} is too small for vocab_size={vocab_size} (trained {got} tokens)")
     return tok

@@ -40,8 +40,8 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -76,9 +76,7 @@ _COMMON = dict(
 QWEN2_CONFIG = dict(_COMMON, num_hidden_layers=2, tie_word_embeddings=False)
 
 #: Qwen3: explicit head_dim 32 != hidden/heads (16); q_norm/k_norm; tied embeddings.
-QWEN3_CONFIG = dict(
-    _COMMON, num_hidden_layers=2, head_dim=32, attention_bias=False, tie_word_embeddings=True
-)
+QWEN3_CONFIG = dict(_COMMON, num_hidden_layers=2, head_dim=32, attention_bias=False, tie_word_embeddings=True)
 
 #: Qwen3-MoE: every layer sparse, 8 experts, top-2 with renormalised weights.
 QWEN3_MOE_CONFIG = dict(
@@ -248,9 +246,7 @@ def load_reference(path):
     """The HuggingFace model at ``path``: float32, eager attention, eval mode."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation="eager"
-    )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
 
 

@@ -4,11 +4,12 @@ Why session scope: writing a checkpoint with transformers' save_pretrained costs
 dense, config-CLI and graph-mode tests all read the same few. Tests must treat these
 directories as read-only (copy them to tmp_path before corrupting anything).
 """
+
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -40,8 +41,9 @@ def qwen3_ckpt(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def qwen3_sharded_ckpt(tmp_path_factory) -> Path:
     """A different Qwen3 (3 layers, other seed, rope_theta 1e6) saved as 3 safetensors shards."""
-    path = ckpt.make_qwen3_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen3_sharded",
-                                      num_hidden_layers=3, seed=7, rope_theta=1e6)
+    path = ckpt.make_qwen3_checkpoint(
+        tmp_path_factory.mktemp("ckpt") / "qwen3_sharded", num_hidden_layers=3, seed=7, rope_theta=1e6
+    )
     ckpt.shard_checkpoint(path, num_shards=3)
     return path
 
@@ -58,11 +60,18 @@ def make_qwen_runner() -> Callable:
     from models.qwen.models.runner_qwen import QwenRunner
 
     def make(model_path: Path | str, *overrides: str, with_ckpt: bool = True, max_new_tokens: int = 12):
-        cfg = load_config(None, [f"model_config.model_path={model_path}",
-                                 f"model_config.with_ckpt={'true' if with_ckpt else 'false'}",
-                                 f"scheduler_config.max_new_tokens={max_new_tokens}",
-                                 "data_config.input_max_len=24", *overrides])
+        cfg = load_config(
+            None,
+            [
+                f"model_config.model_path={model_path}",
+                f"model_config.with_ckpt={'true' if with_ckpt else 'false'}",
+                f"scheduler_config.max_new_tokens={max_new_tokens}",
+                "data_config.input_max_len=24",
+                *overrides,
+            ],
+        )
         return QwenRunner(cfg, detect("cpu"))
+
     return make
 
 

@@ -16,6 +16,7 @@ the FX graph and record each time the compiled step executes them (`scope_events
 Install with `installed()`: it puts both modules in sys.modules, `torch.npu`, and the
 "npugraph_ex" dynamo backend, and removes them all afterwards.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -59,17 +60,26 @@ def _define_scope_ops() -> list:
     air, npu = torch.library.Library("air", "DEF"), torch.library.Library("npu", "DEF")
     air.define("scope_enter(str[] keys, str[] values) -> ()")
     air.define("scope_exit() -> ()")
-    air.impl("scope_enter", lambda keys, values: _event("air.scope_enter", tuple(keys), tuple(values)),
-             "CompositeExplicitAutograd")
+    air.impl(
+        "scope_enter",
+        lambda keys, values: _event("air.scope_enter", tuple(keys), tuple(values)),
+        "CompositeExplicitAutograd",
+    )
     air.impl("scope_exit", lambda: _event("air.scope_exit"), "CompositeExplicitAutograd")
     npu.define("super_kernel_scope_begin(str name) -> ()")
     npu.define("super_kernel_scope_end(str name) -> ()")
-    npu.impl("super_kernel_scope_begin", lambda name: _event("npu.super_kernel_scope_begin", name),
-             "CompositeExplicitAutograd")
-    npu.impl("super_kernel_scope_end", lambda name: _event("npu.super_kernel_scope_end", name),
-             "CompositeExplicitAutograd")
-    for ns, names in ((torch.ops.air, ("scope_enter", "scope_exit")),
-                      (torch.ops.npu, ("super_kernel_scope_begin", "super_kernel_scope_end"))):
+    npu.impl(
+        "super_kernel_scope_begin",
+        lambda name: _event("npu.super_kernel_scope_begin", name),
+        "CompositeExplicitAutograd",
+    )
+    npu.impl(
+        "super_kernel_scope_end", lambda name: _event("npu.super_kernel_scope_end", name), "CompositeExplicitAutograd"
+    )
+    for ns, names in (
+        (torch.ops.air, ("scope_enter", "scope_exit")),
+        (torch.ops.npu, ("super_kernel_scope_begin", "super_kernel_scope_end")),
+    ):
         for name in names:
             torch.fx.node.has_side_effect(getattr(ns, name))
             torch.fx.node.has_side_effect(getattr(ns, name).default)
@@ -112,11 +122,27 @@ def npu_rotary_mul(x, r1, r2, rotary_mode="half"):
     return x * r1 + rotated * r2
 
 
-def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_mask=None,
-                                    actual_seq_lengths=None, actual_seq_lengths_kv=None, block_table=None,
-                                    num_heads=1, scale=1.0, pre_tokens=2147483647, next_tokens=2147483647,
-                                    input_layout="BSH", num_key_value_heads=0, sparse_mode=0,
-                                    inner_precise=0, block_size=0, softmax_lse_flag=False):
+def npu_fused_infer_attention_score(
+    query,
+    key,
+    value,
+    *,
+    pse_shift=None,
+    atten_mask=None,
+    actual_seq_lengths=None,
+    actual_seq_lengths_kv=None,
+    block_table=None,
+    num_heads=1,
+    scale=1.0,
+    pre_tokens=2147483647,
+    next_tokens=2147483647,
+    input_layout="BSH",
+    num_key_value_heads=0,
+    sparse_mode=0,
+    inner_precise=0,
+    block_size=0,
+    softmax_lse_flag=False,
+):
     """BNSD/BSND only; atten_mask bool, True = masked out; num_key_value_heads 0 means num_heads."""
     if input_layout not in ("BNSD", "BSND"):
         raise NotImplementedError(f"double supports input_layout BNSD/BSND, got {input_layout!r}")
@@ -124,15 +150,17 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
         query, key, value = (t.transpose(1, 2) for t in (query, key, value))
     hkv = num_key_value_heads or num_heads
     if query.shape[1] != num_heads or key.shape[1] != hkv or num_heads % hkv:
-        raise ValueError(f"num_heads={num_heads}, num_key_value_heads={num_key_value_heads} do not match "
-                         f"q heads {query.shape[1]}, kv heads {key.shape[1]}")
+        raise ValueError(
+            f"num_heads={num_heads}, num_key_value_heads={num_key_value_heads} do not match "
+            f"q heads {query.shape[1]}, kv heads {key.shape[1]}"
+        )
     if sparse_mode != 0 or pre_tokens != 2147483647 or next_tokens != 2147483647 or pse_shift is not None:
         raise NotImplementedError("double implements sparse_mode=0 without band limits or pse")
     if atten_mask is not None and atten_mask.dtype not in (torch.bool, torch.int8, torch.uint8):
         raise TypeError(f"atten_mask must be bool/int8/uint8, got {atten_mask.dtype}")
     g = num_heads // hkv
     k, v = key.repeat_interleave(g, dim=1).float(), value.repeat_interleave(g, dim=1).float()
-    scores = query.float() @ k.transpose(-1, -2) * scale                  # (B, N, S, T)
+    scores = query.float() @ k.transpose(-1, -2) * scale  # (B, N, S, T)
     if atten_mask is not None:
         scores = scores.masked_fill(atten_mask.bool(), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
@@ -162,8 +190,9 @@ def npu_moe_init_routing(x, row_idx, expert_idx, active_num):
     return x[dst_to_src[:rows] % n], expanded_row_idx, sort.values
 
 
-def npu_grouped_matmul(x, weight, *, bias=None, group_list=None, split_item=0, group_type=None,
-                       group_list_type=0, output_dtype=None):
+def npu_grouped_matmul(
+    x, weight, *, bias=None, group_list=None, split_item=0, group_type=None, group_list_type=0, output_dtype=None
+):
     """Single-tensor form (split_item 2/3) with groups over M: y[s_e:e_e] = x[s_e:e_e] @ W[e]."""
     if not (isinstance(x, list) and isinstance(weight, list) and len(x) == len(weight) == 1):
         raise TypeError("x and weight must be lists holding one tensor each")
@@ -186,6 +215,7 @@ def _recording(calls: list, name: str, fn):
         if not torch.compiler.is_compiling():  # see the module docstring
             calls.append(Call(name, args, kwargs))
         return fn(*args, **kwargs)
+
     return record_then_run
 
 
@@ -195,14 +225,38 @@ def _module(name: str) -> types.ModuleType:
     return mod
 
 
-_FUSED_OPS = (npu_rms_norm, npu_add_rms_norm, npu_swiglu, npu_rotary_mul, npu_fused_infer_attention_score,
-              npu_moe_gating_top_k_softmax, npu_moe_init_routing, npu_grouped_matmul)
+_FUSED_OPS = (
+    npu_rms_norm,
+    npu_add_rms_norm,
+    npu_swiglu,
+    npu_rotary_mul,
+    npu_fused_infer_attention_score,
+    npu_moe_gating_top_k_softmax,
+    npu_moe_init_routing,
+    npu_grouped_matmul,
+)
 # npugraph_ex options: the keys torchair maps, plus the SuperKernel ones (ascend-apis.md)
-NPUGRAPH_EX_OPTIONS = {"static_kernel_compile", "inplace_pass", "input_inplace_pass", "remove_noop_ops",
-                       "graph_dump_type", "graph_dump_path", "force_eager", "pattern_fusion_pass", "clone_input",
-                       "frozen_parameter", "post_grad_custom_pre_pass", "post_grad_custom_post_pass",
-                       "use_graph_pool", "reuse_graph_pool_in_same_fx", "capture_limit", "clone_output",
-                       "super_kernel_optimize", "super_kernel_optimize_options", "super_kernel_debug_options"}
+NPUGRAPH_EX_OPTIONS = {
+    "static_kernel_compile",
+    "inplace_pass",
+    "input_inplace_pass",
+    "remove_noop_ops",
+    "graph_dump_type",
+    "graph_dump_path",
+    "force_eager",
+    "pattern_fusion_pass",
+    "clone_input",
+    "frozen_parameter",
+    "post_grad_custom_pre_pass",
+    "post_grad_custom_post_pass",
+    "use_graph_pool",
+    "reuse_graph_pool_in_same_fx",
+    "capture_limit",
+    "clone_output",
+    "super_kernel_optimize",
+    "super_kernel_optimize_options",
+    "super_kernel_debug_options",
+}
 
 
 class RecordingTorchNpu(types.ModuleType):
@@ -215,10 +269,14 @@ class RecordingTorchNpu(types.ModuleType):
         for fn in _FUSED_OPS:
             setattr(self, fn.__name__, _recording(self.calls, fn.__name__, fn))
         npu = self.npu = _module("torch_npu.npu")
-        for name, fn in {"get_device_name": lambda device=None: device_name, "is_available": lambda: True,
-                         "device_count": lambda: 1, "synchronize": lambda device=None: None,
-                         "super_kernel_scope_begin": lambda name: torch.ops.npu.super_kernel_scope_begin(name),
-                         "super_kernel_scope_end": lambda name: torch.ops.npu.super_kernel_scope_end(name)}.items():
+        for name, fn in {
+            "get_device_name": lambda device=None: device_name,
+            "is_available": lambda: True,
+            "device_count": lambda: 1,
+            "synchronize": lambda device=None: None,
+            "super_kernel_scope_begin": lambda name: torch.ops.npu.super_kernel_scope_begin(name),
+            "super_kernel_scope_end": lambda name: torch.ops.npu.super_kernel_scope_end(name),
+        }.items():
             setattr(npu, name, _recording(self.calls, f"npu.{name}", fn))
 
     def npugraph_ex_backend(self, gm: torch.fx.GraphModule, example_inputs, options: dict | None = None):
@@ -255,10 +313,12 @@ class _Options:
 
 
 class ExperimentalConfig(_Options):
-    _ALLOWED = {"frozen_parameter": (False, (True, False)),
-                "tiling_schedule_optimize": (False, (True, False)),
-                "topology_sorting_strategy": ("DFS", ("BFS", "DFS", "RDFS", "StableRDFS")),
-                "enable_single_stream": (False, (True, False))}
+    _ALLOWED = {
+        "frozen_parameter": (False, (True, False)),
+        "tiling_schedule_optimize": (False, (True, False)),
+        "topology_sorting_strategy": ("DFS", ("BFS", "DFS", "RDFS", "StableRDFS")),
+        "enable_single_stream": (False, (True, False)),
+    }
 
 
 class CompilerConfig(_Options):
@@ -300,19 +360,25 @@ class RecordingTorchair(types.ModuleType):
 
         def note(scope, options):  # runs in Python even inside a dynamo trace, without a guard
             self.super_kernel_calls.append((scope, options))
+
         note = torch.compiler.assume_constant_result(note)
 
         def super_kernel(scope: str, options: str = ""):
             note(scope, options)
             return _SuperKernelScope(scope, options)
+
         self.scope.super_kernel = super_kernel
         self.get_npu_backend = _recording(self.calls, "get_npu_backend", self._get_npu_backend)
         self.inference.cache_compile = _recording(self.calls, "inference.cache_compile", self._cache_compile)
 
     def submodules(self) -> dict[str, types.ModuleType]:
-        return {"torchair": self, "torchair.configs": self.configs, "torchair.scope": self.scope,
-                "torchair.configs.compiler_config": self.configs.compiler_config,
-                "torchair.inference": self.inference}
+        return {
+            "torchair": self,
+            "torchair.configs": self.configs,
+            "torchair.scope": self.scope,
+            "torchair.configs.compiler_config": self.configs.compiler_config,
+            "torchair.inference": self.inference,
+        }
 
     def _npu_backend(self, gm: torch.fx.GraphModule, example_inputs, compiler_config=None):
         self.calls.append(Call("npu_backend", (gm,), {"compiler_config": compiler_config}))
@@ -321,8 +387,21 @@ class RecordingTorchair(types.ModuleType):
     def _get_npu_backend(self, *, compiler_config=None, custom_decompositions=None):
         return functools.partial(self._npu_backend, compiler_config=compiler_config or CompilerConfig())
 
-    def _cache_compile(self, func, *, config=None, backend=None, dynamic=True, cache_dir=None, global_rank=None,
-                       tp_rank=None, pp_rank=None, custom_decompositions=None, ge_cache=False, **kwargs):
+    def _cache_compile(
+        self,
+        func,
+        *,
+        config=None,
+        backend=None,
+        dynamic=True,
+        cache_dir=None,
+        global_rank=None,
+        tp_rank=None,
+        pp_rank=None,
+        custom_decompositions=None,
+        ge_cache=False,
+        **kwargs,
+    ):
         if not isinstance(func, types.MethodType) or not isinstance(func.__self__, torch.nn.Module):
             raise ValueError(f"Only torch.nn.Module method can be cached now, got {func}")
         backend = functools.partial(self._npu_backend, compiler_config=config or CompilerConfig())

@@ -4,6 +4,7 @@ Why a subprocess: the contract is what a user sees (exit code 2, one `error: ...
 traceback), which only the real entry point shows. The unit tests below pin the pieces
 (executor.config, executor.scope) those messages come from.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,8 +20,16 @@ import pytest
 import yaml
 
 from executor.config import ConfigError, CustomScope, RunConfig, load_config, to_dict
-from executor.scope import (ScopeError, ScopePlan, ScopeRunner, ScopeSpec, build_plan,
-                            decoder_regions, parse_options, scope_impl)
+from executor.scope import (
+    ScopeError,
+    ScopePlan,
+    ScopeRunner,
+    ScopeSpec,
+    build_plan,
+    decoder_regions,
+    parse_options,
+    scope_impl,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["--set", "scheduler_config.max_new_tokens=4"]
@@ -47,32 +56,52 @@ def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
 # ----------------------------------------------------------------------------- CLI error paths
 SK_ON = ["--set", "model_config.exe_mode=ge_graph", "--set", "model_config.superkernel.enable=true"]
 ERROR_CASES = {
-    "unknown_key": (["--set", "model_config.enable_superkernal=true"],
-                    ["model_config.enable_superkernal", "unknown key", "allowed keys", "exe_mode", "superkernel"]),
+    "unknown_key": (
+        ["--set", "model_config.enable_superkernal=true"],
+        ["model_config.enable_superkernal", "unknown key", "allowed keys", "exe_mode", "superkernel"],
+    ),
     "wrong_type": (["--set", "scheduler_config.batch_size=two"], ["scheduler_config.batch_size", "integer"]),
     "wrong_type_bool": (["--set", "model_config.with_ckpt=3"], ["model_config.with_ckpt", "true or false"]),
-    "outside_choices": (["--set", "model_config.exe_mode=turbo"],
-                        ["model_config.exe_mode", "'turbo'", "eager, ge_graph, npugraph_ex"]),
-    "eager_with_superkernel": (["--set", "model_config.superkernel.enable=true"],
-                               ["model_config.superkernel.enable", "eager"]),
+    "outside_choices": (
+        ["--set", "model_config.exe_mode=turbo"],
+        ["model_config.exe_mode", "'turbo'", "eager, ge_graph, npugraph_ex"],
+    ),
+    "eager_with_superkernel": (
+        ["--set", "model_config.superkernel.enable=true"],
+        ["model_config.superkernel.enable", "eager"],
+    ),
     "world_size_2": (["--set", "parallel_config.world_size=2"], ["parallel_config.world_size", "allowed values: 1"]),
-    "sk_unknown_option": (SK_ON + ["--set", "model_config.superkernel.options=feed-sync-al=1"],
-                          ["model_config.superkernel.options", "unknown option 'feed-sync-al'", "feed-sync-all"]),
-    "sk_bad_value": (SK_ON + ["--set", "model_config.superkernel.options=stream-fusion=2"],
-                     ["model_config.superkernel.options", "stream-fusion", "0 or 1"]),
-    "sk_bad_ratio": (SK_ON + ["--set", "model_config.superkernel.options=debug-aic-num=8:debug-aiv-num=12"],
-                     ["debug-aic-num:debug-aiv-num", "1:2"]),
-    "plan_moe_on_dense": (SK_ON + ["--set", "model_config.superkernel.plan=moe"],
-                          ["'moe'", "marks no region", "attention", "mlp"]),
-    "custom_without_scopes": (SK_ON + ["--set", "model_config.superkernel.plan=custom"],
-                              ["model_config.superkernel.custom", "custom"]),
-    "missing_checkpoint": (["--set", "model_config.model_path=/nonexistent/qwen_ckpt",
-                            "--set", "model_config.with_ckpt=true"], ["/nonexistent/qwen_ckpt"]),
+    "sk_unknown_option": (
+        SK_ON + ["--set", "model_config.superkernel.options=feed-sync-al=1"],
+        ["model_config.superkernel.options", "unknown option 'feed-sync-al'", "feed-sync-all"],
+    ),
+    "sk_bad_value": (
+        SK_ON + ["--set", "model_config.superkernel.options=stream-fusion=2"],
+        ["model_config.superkernel.options", "stream-fusion", "0 or 1"],
+    ),
+    "sk_bad_ratio": (
+        SK_ON + ["--set", "model_config.superkernel.options=debug-aic-num=8:debug-aiv-num=12"],
+        ["debug-aic-num:debug-aiv-num", "1:2"],
+    ),
+    "plan_moe_on_dense": (
+        SK_ON + ["--set", "model_config.superkernel.plan=moe"],
+        ["'moe'", "marks no region", "attention", "mlp"],
+    ),
+    "custom_without_scopes": (
+        SK_ON + ["--set", "model_config.superkernel.plan=custom"],
+        ["model_config.superkernel.custom", "custom"],
+    ),
+    "missing_checkpoint": (
+        ["--set", "model_config.model_path=/nonexistent/qwen_ckpt", "--set", "model_config.with_ckpt=true"],
+        ["/nonexistent/qwen_ckpt"],
+    ),
     "with_ckpt_no_path": (["--set", "model_config.with_ckpt=true"], ["model_config.model_path", "with_ckpt"]),
     "npugraph_ex_on_cpu": (["--set", "model_config.exe_mode=npugraph_ex"], ["npugraph_ex", "NPU", "ge_graph"]),
     "device_npu_on_cpu": (["--set", "model_config.device=npu"], ["device='npu'"]),
-    "set_without_equals": (["--set", "scheduler_config.max_new_tokens"],
-                           ["scheduler_config.max_new_tokens", "key=value"]),
+    "set_without_equals": (
+        ["--set", "scheduler_config.max_new_tokens"],
+        ["scheduler_config.max_new_tokens", "key=value"],
+    ),
     "unknown_model": (["--model", "llama"], ["--model", "'llama'", "allowed values", "qwen"]),
     "bad_dataset": (["--set", "data_config.dataset=/nonexistent/prompts.txt"], ["/nonexistent/prompts.txt"]),
 }
@@ -98,8 +127,9 @@ def test_yaml_file_unknown_nested_key_through_infer_sh(tmp_path):
     path = tmp_path / "typo.yaml"
     path.write_text(yaml.safe_dump(cfg))
     proc = run_cli("--config", str(path), "--out", str(tmp_path / "o"), bash="infer.sh")
-    assert_user_error(proc, "model_config.superkernel.enable_superkernal",
-                      "allowed keys: enable, plan, options, custom")
+    assert_user_error(
+        proc, "model_config.superkernel.enable_superkernal", "allowed keys: enable, plan, options, custom"
+    )
 
 
 def test_missing_config_file(tmp_path):
@@ -115,8 +145,9 @@ def test_infer_sh_help():
 
 def test_recipe_infer_sh_from_its_directory(tmp_path):
     out = tmp_path / "out"
-    proc = run_cli("--set", "scheduler_config.max_new_tokens=4", "--out", str(out), cwd=REPO / "models/qwen",
-                   bash="infer.sh")
+    proc = run_cli(
+        "--set", "scheduler_config.max_new_tokens=4", "--out", str(out), cwd=REPO / "models/qwen", bash="infer.sh"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["recipe"] == "qwen" and len(metrics["generated_token_ids"][0]) == 4
@@ -140,12 +171,29 @@ def test_default_infer_sh_log_format_and_metrics(tmp_path):
     assert sum(bool(AVERAGE_RE.match(line)) for line in lines) == 1
     assert sum(bool(THROUGHPUT_RE.match(line)) for line in lines) == 1
     m = json.loads((out / "metrics.json").read_text())
-    for key in ("platform", "device_name", "torch_version", "exe_mode", "superkernel", "prefill_ms", "decode_ms",
-                "decode_ms_median", "tokens_per_s", "peak_memory_mb", "generated_token_ids", "text"):
+    for key in (
+        "platform",
+        "device_name",
+        "torch_version",
+        "exe_mode",
+        "superkernel",
+        "prefill_ms",
+        "decode_ms",
+        "decode_ms_median",
+        "tokens_per_s",
+        "peak_memory_mb",
+        "generated_token_ids",
+        "text",
+    ):
         assert key in m, key
     assert set(m["superkernel"]) >= {"requested", "ran", "plan", "scopes"}
-    assert m["superkernel"] | {"options": ""} == {"requested": False, "ran": False, "plan": "none", "scopes": [],
-                                                 "options": ""}
+    assert m["superkernel"] | {"options": ""} == {
+        "requested": False,
+        "ran": False,
+        "plan": "none",
+        "scopes": [],
+        "options": "",
+    }
     assert (m["platform"], m["exe_mode"]) == ("cpu", "eager") and m["torch_version"].startswith("2.")
     assert isinstance(m["decode_ms"], list) and len(m["decode_ms"]) == 3
     assert [round(v, 2) for v in m["decode_ms"]] == decode  # the printed lines are the measured steps
@@ -166,18 +214,27 @@ def test_load_config_defaults_and_recipe_file():
 
 
 def test_overrides_are_type_checked():
-    cfg = load_config(None, ["scheduler_config.max_new_tokens=8", "model_config.exe_mode=ge_graph",
-                             "data_config.prompts=[a b, c]", "model_config.superkernel.enable=true"])
+    cfg = load_config(
+        None,
+        [
+            "scheduler_config.max_new_tokens=8",
+            "model_config.exe_mode=ge_graph",
+            "data_config.prompts=[a b, c]",
+            "model_config.superkernel.enable=true",
+        ],
+    )
     assert cfg.scheduler_config.max_new_tokens == 8 and cfg.model_config.exe_mode == "ge_graph"
     assert cfg.data_config.prompts == ("a b", "c") and cfg.superkernel_on
-    for bad, needle in (("model_config.seed=1.5", "model_config.seed: expected an integer"),
-                        ("scheduler_config.batch_size=true", "expected an integer"),
-                        ("model_config.with_ckpt=1", "expected true or false"),
-                        ("data_config.prompts=hello", "expected a list of str"),
-                        ("model_config=3", "model_config: expected a mapping"),
-                        ("model_config.dtype=fp8", "allowed values: float32, bfloat16, float16"),
-                        ("scheduler_config.batch_size=0", "must be >= 1"),
-                        ("nope.x=1", "nope: unknown key; allowed keys: model_config, data_config")):
+    for bad, needle in (
+        ("model_config.seed=1.5", "model_config.seed: expected an integer"),
+        ("scheduler_config.batch_size=true", "expected an integer"),
+        ("model_config.with_ckpt=1", "expected true or false"),
+        ("data_config.prompts=hello", "expected a list of str"),
+        ("model_config=3", "model_config: expected a mapping"),
+        ("model_config.dtype=fp8", "allowed values: float32, bfloat16, float16"),
+        ("scheduler_config.batch_size=0", "must be >= 1"),
+        ("nope.x=1", "nope: unknown key; allowed keys: model_config, data_config"),
+    ):
         with pytest.raises(ConfigError, match=re.escape(needle)):
             load_config(None, [bad])
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -185,12 +242,20 @@ def test_overrides_are_type_checked():
 
 
 def test_custom_scopes_parse_into_custom_scope():
-    cfg = load_config(None, ["model_config.exe_mode=ge_graph", "model_config.superkernel.enable=true",
-                             "model_config.superkernel.plan=custom",
-                             'model_config.superkernel.custom=[{regions: ["layer_*_attn"], label: attn}, '
-                             '{regions: [layer_1_mlp, layer_2_mlp], label: m, options: "feed-sync-all=1"}]'])
-    assert cfg.model_config.superkernel.custom == (CustomScope(("layer_*_attn",), "attn", ""),
-                                                   CustomScope(("layer_1_mlp", "layer_2_mlp"), "m", "feed-sync-all=1"))
+    cfg = load_config(
+        None,
+        [
+            "model_config.exe_mode=ge_graph",
+            "model_config.superkernel.enable=true",
+            "model_config.superkernel.plan=custom",
+            'model_config.superkernel.custom=[{regions: ["layer_*_attn"], label: attn}, '
+            '{regions: [layer_1_mlp, layer_2_mlp], label: m, options: "feed-sync-all=1"}]',
+        ],
+    )
+    assert cfg.model_config.superkernel.custom == (
+        CustomScope(("layer_*_attn",), "attn", ""),
+        CustomScope(("layer_1_mlp", "layer_2_mlp"), "m", "feed-sync-all=1"),
+    )
     with pytest.raises(ConfigError, match=r"custom\[0\]\.lable: unknown key; allowed keys: regions, label, options"):
         load_config(None, ["model_config.superkernel.custom=[{regions: [x], lable: y}]"])
     with pytest.raises(ScopeError, match=r"custom\[0\]\.options"):
@@ -198,8 +263,9 @@ def test_custom_scopes_parse_into_custom_scope():
 
 
 def test_to_dict_is_plain_data_and_round_trips(tmp_path):
-    cfg = load_config(None, ["data_config.prompts=[a, b]",
-                             "model_config.superkernel.custom=[{regions: [r], label: l}]"])
+    cfg = load_config(
+        None, ["data_config.prompts=[a, b]", "model_config.superkernel.custom=[{regions: [r], label: l}]"]
+    )
     data = to_dict(cfg)
     assert data["data_config"]["prompts"] == ["a", "b"]
     assert data["model_config"]["superkernel"]["custom"] == [{"regions": ["r"], "label": "l", "options": ""}]
@@ -212,25 +278,35 @@ def test_to_dict_is_plain_data_and_round_trips(tmp_path):
 # ----------------------------------------------------------------------------- executor.scope
 def test_parse_options_valid():
     assert parse_options("") == {}
-    opts = ("feed-sync-all=1:stream-fusion=0:strict-scope-check=abort:"
-            "dcci-before-kernel-start=GroupedMatmul,MoeGatingTopK:debug-aic-num=24:debug-aiv-num=48")
-    assert parse_options(opts) == {"feed-sync-all": "1", "stream-fusion": "0", "strict-scope-check": "abort",
-                                   "dcci-before-kernel-start": "GroupedMatmul,MoeGatingTopK",
-                                   "debug-aic-num": "24", "debug-aiv-num": "48"}
+    opts = (
+        "feed-sync-all=1:stream-fusion=0:strict-scope-check=abort:"
+        "dcci-before-kernel-start=GroupedMatmul,MoeGatingTopK:debug-aic-num=24:debug-aiv-num=48"
+    )
+    assert parse_options(opts) == {
+        "feed-sync-all": "1",
+        "stream-fusion": "0",
+        "strict-scope-check": "abort",
+        "dcci-before-kernel-start": "GroupedMatmul,MoeGatingTopK",
+        "debug-aic-num": "24",
+        "debug-aiv-num": "48",
+    }
     assert parse_options("debug-aic-num=20:debug-aiv-num=20") == {"debug-aic-num": "20", "debug-aiv-num": "20"}
 
 
-@pytest.mark.parametrize("options, needle", [
-    ("bogus=1", "unknown option 'bogus'"),
-    ("feed-sync-all", "is not opt=val"),
-    ("feed-sync-all=2", "feed-sync-all takes 0 or 1"),
-    ("strict-scope-check=maybe", "bypass or abort"),
-    ("dcci-after-kernel-end=Grouped-Matmul", "comma separated op types"),
-    ("debug-aic-num=0", "positive integer"),
-    ("debug-aiv-num=x", "positive integer"),
-    ("debug-aic-num=24:debug-aiv-num=36", "must be one of 1:0, 0:1, 1:1, 1:2"),
-    ("debug-aic-num=48:debug-aiv-num=24", "must be one of"),
-])
+@pytest.mark.parametrize(
+    "options, needle",
+    [
+        ("bogus=1", "unknown option 'bogus'"),
+        ("feed-sync-all", "is not opt=val"),
+        ("feed-sync-all=2", "feed-sync-all takes 0 or 1"),
+        ("strict-scope-check=maybe", "bypass or abort"),
+        ("dcci-after-kernel-end=Grouped-Matmul", "comma separated op types"),
+        ("debug-aic-num=0", "positive integer"),
+        ("debug-aiv-num=x", "positive integer"),
+        ("debug-aic-num=24:debug-aiv-num=36", "must be one of 1:0, 0:1, 1:1, 1:2"),
+        ("debug-aic-num=48:debug-aiv-num=24", "must be one of"),
+    ],
+)
 def test_parse_options_invalid(options, needle):
     with pytest.raises(ScopeError, match=re.escape(needle)):
         parse_options(options, key="k.options")
@@ -239,9 +315,15 @@ def test_parse_options_invalid(options, needle):
 REGIONS = decoder_regions(2, ["mlp", "mlp"])
 
 
-@pytest.mark.parametrize("plan, regions", [
-    ("attention", ["layer_0_attn", "layer_1_attn"]), ("mlp", ["layer_0_mlp", "layer_1_mlp"]),
-    ("layer", ["layer_0", "layer_1"]), ("decoder", ["decode_layers"])])
+@pytest.mark.parametrize(
+    "plan, regions",
+    [
+        ("attention", ["layer_0_attn", "layer_1_attn"]),
+        ("mlp", ["layer_0_mlp", "layer_1_mlp"]),
+        ("layer", ["layer_0", "layer_1"]),
+        ("decoder", ["decode_layers"]),
+    ],
+)
 def test_build_plan_builtin(plan, regions):
     built = build_plan(REGIONS, plan, "feed-sync-all=1")
     assert built == ScopePlan(plan, tuple(ScopeSpec(r, r, "feed-sync-all=1") for r in regions))
@@ -260,9 +342,11 @@ def test_build_plan_moe_only_where_there_is_moe():
 def test_build_plan_custom_fnmatch_and_errors():
     custom = (CustomScope(("layer_*_attn",), "attn", "stream-fusion=1"), CustomScope(("layer_1_mlp",), "m"))
     plan = build_plan(REGIONS, "custom", "feed-sync-all=0", custom)
-    assert plan.scopes == (ScopeSpec("layer_0_attn", "attn", "stream-fusion=1"),
-                           ScopeSpec("layer_1_attn", "attn", "stream-fusion=1"),
-                           ScopeSpec("layer_1_mlp", "m", "feed-sync-all=0"))  # plan-level options as default
+    assert plan.scopes == (
+        ScopeSpec("layer_0_attn", "attn", "stream-fusion=1"),
+        ScopeSpec("layer_1_attn", "attn", "stream-fusion=1"),
+        ScopeSpec("layer_1_mlp", "m", "feed-sync-all=0"),
+    )  # plan-level options as default
     assert plan.labels == ["attn", "m"]
     with pytest.raises(ScopeError, match="layer_0 and layer_0_attn are nested"):
         build_plan(REGIONS, "custom", custom=[CustomScope(("layer_0", "layer_0_attn"), "x")])

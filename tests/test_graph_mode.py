@@ -6,6 +6,7 @@ decode step), really runs the scopes the plan asked for, and never puts prefill 
 Compiling is slow on a shared CPU, so each configuration is compiled once per module and every
 test reads the same run.
 """
+
 from __future__ import annotations
 
 import io
@@ -26,21 +27,33 @@ REPO = Path(__file__).resolve().parent.parent
 MAX_NEW = 8
 PROMPTS = ["The weather today is", "Once upon a time, in a small village by the sea, there lived an old"]
 BASE = ["scheduler_config.batch_size=2", "data_config.prompts=" + json.dumps(PROMPTS)]
-CUSTOM = ('model_config.superkernel.custom=[{regions: ["layer_*_attn"], label: attn_all}, '
-          '{regions: [layer_1_mlp], label: mlp_last, options: "feed-sync-all=1"}]')
+CUSTOM = (
+    'model_config.superkernel.custom=[{regions: ["layer_*_attn"], label: attn_all}, '
+    '{regions: [layer_1_mlp], label: mlp_last, options: "feed-sync-all=1"}]'
+)
 GRAPH = ["model_config.exe_mode=ge_graph"]
 CONFIGS = {  # name -> (overrides, expected scope labels)
     "ge_graph": (GRAPH, set()),
-    "sk_attention": (GRAPH + ["model_config.superkernel.enable=true", "model_config.superkernel.plan=attention"],
-                     {"layer_0_attn", "layer_1_attn"}),
-    "sk_mlp": (GRAPH + ["model_config.superkernel.enable=true", "model_config.superkernel.plan=mlp"],
-               {"layer_0_mlp", "layer_1_mlp"}),
-    "sk_layer": (GRAPH + ["model_config.superkernel.enable=true", "model_config.superkernel.plan=layer"],
-                 {"layer_0", "layer_1"}),
-    "sk_decoder": (GRAPH + ["model_config.superkernel.enable=true", "model_config.superkernel.plan=decoder"],
-                   {"decode_layers"}),
-    "sk_custom": (GRAPH + ["model_config.superkernel.enable=true", "model_config.superkernel.plan=custom", CUSTOM],
-                  {"attn_all", "mlp_last"}),
+    "sk_attention": (
+        GRAPH + ["model_config.superkernel.enable=true", "model_config.superkernel.plan=attention"],
+        {"layer_0_attn", "layer_1_attn"},
+    ),
+    "sk_mlp": (
+        GRAPH + ["model_config.superkernel.enable=true", "model_config.superkernel.plan=mlp"],
+        {"layer_0_mlp", "layer_1_mlp"},
+    ),
+    "sk_layer": (
+        GRAPH + ["model_config.superkernel.enable=true", "model_config.superkernel.plan=layer"],
+        {"layer_0", "layer_1"},
+    ),
+    "sk_decoder": (
+        GRAPH + ["model_config.superkernel.enable=true", "model_config.superkernel.plan=decoder"],
+        {"decode_layers"},
+    ),
+    "sk_custom": (
+        GRAPH + ["model_config.superkernel.enable=true", "model_config.superkernel.plan=custom", CUSTOM],
+        {"attn_all", "mlp_last"},
+    ),
 }
 # run(): warm-up generate(2 tokens) = 1 decode step, then MAX_NEW - 1; then our generate: MAX_NEW - 1
 DECODE_CALLS = 1 + 2 * (MAX_NEW - 1)
@@ -75,8 +88,14 @@ def _run(make_qwen_runner, ckpt_path: Path, overrides: list[str]) -> dict:
     with scope_impl(RecordingScope):  # prefill only (1 token = no decode step), eager, so a scope would record
         runner.generate(prompt_ids, 1)
     prefill_scopes = list(RecordingScope.entered)
-    return {"runner": runner, "metrics": metrics, "gen": gen, "stats": runner.backend.stats(),
-            "prefill_scopes": prefill_scopes, "prompt_ids": prompt_ids}
+    return {
+        "runner": runner,
+        "metrics": metrics,
+        "gen": gen,
+        "stats": runner.backend.stats(),
+        "prefill_scopes": prefill_scopes,
+        "prompt_ids": prompt_ids,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -233,11 +252,33 @@ def test_enable_cache_compile_second_run_compiles_faster(tmp_path, qwen3_ckpt):
     for i in range(2):
         out = tmp_path / f"run{i}"
         proc = subprocess.run(
-            [sys.executable, "-m", "executor.cli", "run", "--set", f"model_config.model_path={qwen3_ckpt}",
-             "--set", "model_config.with_ckpt=true", "--set", "model_config.exe_mode=ge_graph",
-             "--set", "model_config.enable_cache_compile=true", "--set", f"model_config.cache_dir={cache}",
-             "--set", "scheduler_config.max_new_tokens=4", "--set", "data_config.input_max_len=16",
-             "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+            [
+                sys.executable,
+                "-m",
+                "executor.cli",
+                "run",
+                "--set",
+                f"model_config.model_path={qwen3_ckpt}",
+                "--set",
+                "model_config.with_ckpt=true",
+                "--set",
+                "model_config.exe_mode=ge_graph",
+                "--set",
+                "model_config.enable_cache_compile=true",
+                "--set",
+                f"model_config.cache_dir={cache}",
+                "--set",
+                "scheduler_config.max_new_tokens=4",
+                "--set",
+                "data_config.input_max_len=16",
+                "--out",
+                str(out),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs.append(json.loads((out / "metrics.json").read_text()))
         if i == 0:

@@ -4,6 +4,7 @@ The tiny test models never reach the size where a GEMV is rewritten, so this che
 rewrite directly: which linears it takes, and that compiled code computes the same thing, with
 and without a SuperKernel scope around it.
 """
+
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ def _trace(fn, *args) -> torch.fx.GraphModule:
     def capture(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
+
     torch.compile(fn, backend=capture, fullgraph=True, dynamic=False)(*args)
     return graphs[0]
 

@@ -6,6 +6,7 @@ compute each op's documented meaning, that every wrapper returns what executor.o
 returns. The compile paths run a real tiny Qwen3 decode step through dynamo on CPU with the
 doubles' backends, so scopes, graphs and numbers are real.
 """
+
 from __future__ import annotations
 
 import sys
@@ -32,9 +33,19 @@ from executor.platform import Platform, detect
 from executor.scope import NO_PLAN, ScopeRunner, build_plan, set_scope_impl
 from models.qwen.models.modeling_qwen import QwenForCausalLM
 
-TINY = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False}
+TINY = {
+    "model_type": "qwen3",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
 STATS_KEYS = {"compile_s", "graphs", "recompiles", "cache_dir", "cache_enabled", "scopes", "superkernel_ran"}
 A3 = Platform("npu", "A3", "Ascend910_9392", "recording doubles")
 
@@ -109,8 +120,8 @@ def test_rotary_mul_half_mode(npu_ops):
 def test_attention_arguments_mask_polarity_and_output(npu_ops):
     b, hq, hkv, s, t, d = 2, 4, 2, 3, 6, 8
     q, k, v = torch.randn(b, hq, s, d), torch.randn(b, hkv, t, d), torch.randn(b, hkv, t, d)
-    pos = torch.tensor([[2, 3, 4], [0, 1, 2]])                        # (B, S)
-    mask = torch.arange(t).view(1, 1, 1, t) > pos.view(b, 1, s, 1)    # (B, 1, S, T) True = masked out
+    pos = torch.tensor([[2, 3, 4], [0, 1, 2]])  # (B, S)
+    mask = torch.arange(t).view(1, 1, 1, t) > pos.view(b, 1, s, 1)  # (B, 1, S, T) True = masked out
     out = ops.attention(q, k, v, mask, 0.3)
     call = _only(npu_ops, "npu_fused_infer_attention_score")
     assert call.args == (q, k, v)
@@ -122,8 +133,12 @@ def test_attention_arguments_mask_polarity_and_output(npu_ops):
     assert out.shape == (b, hq, s, d)  # element [0], not the lse
     torch.testing.assert_close(out, reference.attention(q, k, v, mask, 0.3))
     # polarity really matters: the inverted mask gives other numbers
-    assert not torch.allclose(nd.npu_fused_infer_attention_score(
-        q, k, v, atten_mask=~mask, num_heads=hq, num_key_value_heads=hkv, input_layout="BNSD", scale=0.3)[0], out)
+    assert not torch.allclose(
+        nd.npu_fused_infer_attention_score(
+            q, k, v, atten_mask=~mask, num_heads=hq, num_key_value_heads=hkv, input_layout="BNSD", scale=0.3
+        )[0],
+        out,
+    )
 
 
 def test_attention_double_rejects_misspelt_keyword(npu_ops):
@@ -228,8 +243,11 @@ def _setup(plan_name: str = "attention", options: str = "stream-fusion=1", **mc_
     tiny = TinyDecode()
     plan = build_plan(tiny.model.regions(), plan_name, options)
     tiny = TinyDecode(plan, state=tiny.model.state_dict())
-    mc = ModelConfig(exe_mode=mc_fields.pop("exe_mode", "ge_graph"),
-                     superkernel=SuperKernelConfig(enable=True, plan=plan_name, options=options), **mc_fields)
+    mc = ModelConfig(
+        exe_mode=mc_fields.pop("exe_mode", "ge_graph"),
+        superkernel=SuperKernelConfig(enable=True, plan=plan_name, options=options),
+        **mc_fields,
+    )
     return tiny, mc
 
 
@@ -295,6 +313,7 @@ def test_compile_ge_is_static_and_fullgraph(npu_ops, doubles):
     def with_break(input_ids, positions):
         torch._dynamo.graph_break()
         return tiny._decode_step(input_ids, positions)
+
     zeros = torch.zeros(3, 1, dtype=torch.long)
     with pytest.raises(torch._dynamo.exc.Unsupported):  # fullgraph=True: a break is an error
         npu.compile_ge(with_break, mc, False).step(zeros, zeros)
@@ -325,9 +344,12 @@ def test_compile_npugraph_ex_options_and_scopes(npu_ops, doubles):
     for got, want in zip(logits, _reference_logits(tiny, steps=2)):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     call = _only(doubles.torch_npu, "npugraph_ex_backend")
-    assert call.kwargs["options"] == {"frozen_parameter": True, "static_kernel_compile": True,
-                                      "super_kernel_optimize": True,
-                                      "super_kernel_optimize_options": {"stream_fusion": 1}}
+    assert call.kwargs["options"] == {
+        "frozen_parameter": True,
+        "static_kernel_compile": True,
+        "super_kernel_optimize": True,
+        "super_kernel_optimize_options": {"stream_fusion": 1},
+    }
     labels = ["layer_0", "layer_1"]
     assert _graph_scope_args(call.args[0], "super_kernel_scope_begin") == [[lb] for lb in labels]
     one_step = [e for lb in labels for e in (("npu.super_kernel_scope_begin", lb), ("npu.super_kernel_scope_end", lb))]
@@ -345,11 +367,19 @@ def test_compile_npugraph_ex_without_superkernel_has_no_sk_keys(npu_ops, doubles
     assert options == {"frozen_parameter": True, "static_kernel_compile": True}
 
 
-@pytest.mark.parametrize("options, custom", [
-    ("feed-sync-all=1", ()),
-    ("stream-fusion=1", (CustomScope(("layer_0_attn",), "a", "stream-fusion=0"),  # 0 here, 1 inherited below
-                         CustomScope(("layer_1_attn",), "b", ""))),
-])
+@pytest.mark.parametrize(
+    "options, custom",
+    [
+        ("feed-sync-all=1", ()),
+        (
+            "stream-fusion=1",
+            (
+                CustomScope(("layer_0_attn",), "a", "stream-fusion=0"),  # 0 here, 1 inherited below
+                CustomScope(("layer_1_attn",), "b", ""),
+            ),
+        ),
+    ],
+)
 def test_compile_npugraph_ex_refuses_options_it_cannot_honour(doubles, options, custom):
     sk = SuperKernelConfig(enable=True, plan="custom" if custom else "attention", options=options, custom=custom)
     with pytest.raises(UnsupportedError, match="feed-sync-all" if not custom else "disagree"):
@@ -373,14 +403,19 @@ def test_compile_decode_npu_branch(doubles, monkeypatch):
     assert [s["label"] for s in backend.stats()["scopes"]] == ["layer_0_attn", "layer_1_attn"]
 
 
-def test_cache_compile_takes_the_real_runner_decode_step(doubles, qwen3_ckpt, make_qwen_runner, tmp_path,
-                                                          monkeypatch):
+def test_cache_compile_takes_the_real_runner_decode_step(doubles, qwen3_ckpt, make_qwen_runner, tmp_path, monkeypatch):
     """ModelRunner._decode_step is not an nn.Module method; the adapter must still hand
     torchair.inference.cache_compile one whose module owns the runner's model."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unused")  # the runner's prepare_platform writes it
-    runner = make_qwen_runner(qwen3_ckpt, "model_config.exe_mode=ge_graph", "model_config.enable_cache_compile=true",
-                              f"model_config.cache_dir={tmp_path}", "model_config.superkernel.enable=true",
-                              "model_config.superkernel.plan=layer", max_new_tokens=4)
+    runner = make_qwen_runner(
+        qwen3_ckpt,
+        "model_config.exe_mode=ge_graph",
+        "model_config.enable_cache_compile=true",
+        f"model_config.cache_dir={tmp_path}",
+        "model_config.superkernel.enable=true",
+        "model_config.superkernel.plan=layer",
+        max_new_tokens=4,
+    )
     prompt = [runner.tokenizer.encode("The weather today is")]
     runner.backend = DecodeBackend(runner._decode_step, "eager")
     want = runner.generate(prompt, 4)

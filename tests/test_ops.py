@@ -4,6 +4,7 @@ Every expected value here is computed a different way from the code under test (
 explicit loops, torch's own scaled_dot_product_attention), because the reference ops are what
 the NPU kernels and the CPU/CUDA paths are both held to.
 """
+
 from __future__ import annotations
 
 import math
@@ -63,7 +64,7 @@ def test_rotary_half_matches_explicit_pair_rotation():
     torch.manual_seed(2)
     b, h, s, d = 1, 2, 3, 8
     x = torch.randn(b, h, s, d)
-    angle = torch.rand(s, d // 2) * 6                      # one angle per (position, pair)
+    angle = torch.rand(s, d // 2) * 6  # one angle per (position, pair)
     cos = torch.cat([angle.cos(), angle.cos()], -1).view(1, 1, s, d)
     sin = torch.cat([angle.sin(), angle.sin()], -1).view(1, 1, s, d)
     expected = torch.empty_like(x)
@@ -85,8 +86,9 @@ def test_attention_matches_sdpa_with_expanded_gqa(hq, hkv):
     pos = torch.tensor([[4, 5, 6], [0, 1, 2]])
     masked_out = torch.arange(t).view(1, 1, 1, t) > pos.view(b, 1, s, 1)  # True = masked out
     g = hq // hkv
-    expected = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
-                                              attn_mask=~masked_out, scale=scale)  # SDPA: True = attend
+    expected = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=~masked_out, scale=scale
+    )  # SDPA: True = attend
     out = reference.attention(q, k, v, masked_out, scale)
     assert out.shape == (b, hq, s, d)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -1,5 +1,6 @@
 """Hardware detection is tested on recorded npu-smi text and fake modules, because no NPU is
 available to CI: the parsers must be right before they ever meet a real card."""
+
 import importlib.machinery
 import sys
 import types
@@ -7,9 +8,18 @@ import types
 import pytest
 
 from executor import platform as plat
-from executor.platform import (NpuChip, Platform, PlatformError, cann_version, detect,
-                               parse_npu_smi, parse_npu_smi_board, soc_class_from_name,
-                               soc_class_from_npu_smi, software_versions)
+from executor.platform import (
+    NpuChip,
+    Platform,
+    PlatformError,
+    cann_version,
+    detect,
+    parse_npu_smi,
+    parse_npu_smi_board,
+    soc_class_from_name,
+    soc_class_from_npu_smi,
+    software_versions,
+)
 
 # Verbatim from shared/reference/ascend-apis.md, "Detecting the hardware".
 A2_SMI = """\
@@ -64,22 +74,41 @@ def test_a3_detected_by_two_chips_without_phy_id_header():
     assert soc_class_from_npu_smi(one_chip) == "unknown"  # bare Ascend910, single chip: ambiguous
 
 
-@pytest.mark.parametrize("name", ["Ascend910B1", "Ascend910B2", "Ascend910B2C", "Ascend910B3",
-                                  "Ascend910B4", "Ascend910B4-1", "910B3", "910B4-1"])
+@pytest.mark.parametrize(
+    "name",
+    ["Ascend910B1", "Ascend910B2", "Ascend910B2C", "Ascend910B3", "Ascend910B4", "Ascend910B4-1", "910B3", "910B4-1"],
+)
 def test_a2_names(name):
     assert soc_class_from_name(name) == "A2"
 
 
-@pytest.mark.parametrize("name", ["Ascend910_9391", "Ascend910_9392", "Ascend910_9381",
-                                  "Ascend910_9382", "Ascend910_9372", "Ascend910_9362",
-                                  "Ascend910_9363"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "Ascend910_9391",
+        "Ascend910_9392",
+        "Ascend910_9381",
+        "Ascend910_9382",
+        "Ascend910_9372",
+        "Ascend910_9362",
+        "Ascend910_9363",
+    ],
+)
 def test_a3_names(name):
     assert soc_class_from_name(name) == "A3"
 
 
-@pytest.mark.parametrize("name,cls", [("Ascend950PR", "950"), ("Ascend950DT", "950"),
-                                      ("Ascend910", "unknown"), ("Ascend310P3", "unknown"),
-                                      ("NVIDIA H100", "unknown"), ("", "unknown")])
+@pytest.mark.parametrize(
+    "name,cls",
+    [
+        ("Ascend950PR", "950"),
+        ("Ascend950DT", "950"),
+        ("Ascend910", "unknown"),
+        ("Ascend310P3", "unknown"),
+        ("NVIDIA H100", "unknown"),
+        ("", "unknown"),
+    ],
+)
 def test_other_names(name, cls):
     assert soc_class_from_name(name) == cls
 
@@ -108,7 +137,8 @@ def _fake_toolkit(root, version="8.3.RC2", arch="aarch64"):
     d = root / f"{arch}-linux"
     d.mkdir(parents=True)
     (d / "ascend_toolkit_install.info").write_text(
-        f"package_name=Ascend-cann-toolkit\nversion={version}\narch={arch}\n")
+        f"package_name=Ascend-cann-toolkit\nversion={version}\narch={arch}\n"
+    )
 
 
 def test_cann_version_explicit_root(tmp_path):
@@ -126,10 +156,11 @@ def test_cann_version_from_env(tmp_path, monkeypatch):
 
 def test_software_versions_keys():
     import torch
+
     v = software_versions()
     assert set(v) == {"python", "torch", "torch_npu", "cann", "transformers"}
     assert v["torch"] == torch.__version__
-    assert v["python"] == "%d.%d.%d" % sys.version_info[:3]
+    assert v["python"] == "{}.{}.{}".format(*sys.version_info[:3])
     assert v["torch_npu"] is None  # not installed on CPU machines
     assert "torch_npu" not in sys.modules
 
@@ -168,8 +199,7 @@ def _install_fake_torch_npu(monkeypatch, get_device_name):
 def test_detect_npu_with_fake_torch_npu(monkeypatch):
     _install_fake_torch_npu(monkeypatch, lambda: "Ascend910_9392")
     p = detect("auto")
-    assert p == Platform("npu", "A3", "Ascend910_9392",
-                         "torch_npu.npu.get_device_name() = Ascend910_9392")
+    assert p == Platform("npu", "A3", "Ascend910_9392", "torch_npu.npu.get_device_name() = Ascend910_9392")
     assert p.is_a3 and p.describe() == "npu (Atlas A3, Ascend910_9392)"
     assert detect("npu") == p
 
@@ -177,12 +207,14 @@ def test_detect_npu_with_fake_torch_npu(monkeypatch):
 def test_detect_npu_falls_back_to_npu_smi(monkeypatch):
     def broken():
         raise RuntimeError("driver")
+
     _install_fake_torch_npu(monkeypatch, broken)
     calls = []
 
     def fake_smi(*args):
         calls.append(args)
         return None if "board" in args else A2_SMI
+
     monkeypatch.setattr(plat, "_run_npu_smi", fake_smi)
     p = detect("npu")
     assert calls == [("info", "-t", "board", "-i", "0", "-c", "0"), ("info",)]
@@ -193,5 +225,7 @@ def test_detect_npu_falls_back_to_npu_smi(monkeypatch):
 
 def test_no_top_level_torch_npu_import():
     import re
-    src = open(plat.__file__, encoding="utf-8").read()
+    from pathlib import Path
+
+    src = Path(plat.__file__).read_text(encoding="utf-8")
     assert not re.search(r"^\s*(import|from) torch_npu", src, re.M)

@@ -7,6 +7,7 @@ step (ge_graph, with and without every SuperKernel plan) against eager; expert s
 time; the recipe's infer.sh end to end. Compiling is slow on a shared CPU, so every compiled
 mode runs once, on the small mixed checkpoint where both `moe` and `mlp` plans apply.
 """
+
 from __future__ import annotations
 
 import io
@@ -44,8 +45,10 @@ CONFIGS = {
     "all_moe_norm": (dict(norm_topk_prob=True), ["moe", "moe", "moe"]),
     "all_moe_nonorm": (dict(norm_topk_prob=False, seed=1), ["moe", "moe", "moe"]),
     "mlp_only_layers": (dict(mlp_only_layers=[1]), ["moe", "mlp", "moe"]),
-    "sparse_step_2": (dict(decoder_sparse_step=2, norm_topk_prob=False, num_hidden_layers=4, seed=3),
-                      ["mlp", "moe", "mlp", "moe"]),
+    "sparse_step_2": (
+        dict(decoder_sparse_step=2, norm_topk_prob=False, num_hidden_layers=4, seed=3),
+        ["mlp", "moe", "mlp", "moe"],
+    ),
 }
 
 
@@ -61,8 +64,15 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 
 def make_runner(path: Path, *overrides: str) -> Qwen3MoeRunner:
-    cfg = load_config(CONFIG, [f"model_config.model_path={path}", "model_config.with_ckpt=true",
-                               f"scheduler_config.max_new_tokens={NEW_TOKENS}", *overrides])
+    cfg = load_config(
+        CONFIG,
+        [
+            f"model_config.model_path={path}",
+            "model_config.with_ckpt=true",
+            f"scheduler_config.max_new_tokens={NEW_TOKENS}",
+            *overrides,
+        ],
+    )
     return Qwen3MoeRunner(cfg, detect("cpu"), stream=io.StringIO())
 
 
@@ -74,8 +84,15 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 def full_logits(runner: Qwen3MoeRunner, ids: list[int]) -> torch.Tensor:
     """Our eager prefill over the whole sequence -> (S, V) logits."""
     x = torch.tensor([ids])
-    cache = KVCache(len(runner.model.layers), 1, runner.arch.num_kv_heads, 64, runner.arch.head_dim,
-                    torch.float32, torch.device("cpu"))
+    cache = KVCache(
+        len(runner.model.layers),
+        1,
+        runner.arch.num_kv_heads,
+        64,
+        runner.arch.head_dim,
+        torch.float32,
+        torch.device("cpu"),
+    )
     hidden = runner.model(x, torch.arange(len(ids)).unsqueeze(0), cache, PREFILL_SCOPES)
     return runner.model.logits(hidden)[0]
 
@@ -110,8 +127,12 @@ def test_every_moe_formulation_matches_transformers_block(checkpoints, name, bat
         want = theirs(x)
         flat = x.view(batch * seq, -1)
         weights, idx = ours.route(flat)
-        results = {"forward": ours(x), "gathered": ours._gathered(flat, weights, idx),
-                   "dense": ours._dense(flat, weights, idx), "grouped": ours._grouped(flat, weights, idx)}
+        results = {
+            "forward": ours(x),
+            "gathered": ours._gathered(flat, weights, idx),
+            "dense": ours._dense(flat, weights, idx),
+            "grouped": ours._grouped(flat, weights, idx),
+        }
     assert want.abs().max().item() > 0.1
     for what, got in results.items():
         assert (got.view_as(want) - want).abs().max().item() < 1e-5, what
@@ -169,14 +190,17 @@ def eager_generation(checkpoints):
     return make_runner(checkpoints["mlp_only_layers"]).generate([PROMPT], NEW_TOKENS)
 
 
-@pytest.mark.parametrize("plan,labels", [
-    (None, []),
-    ("attention", ["layer_0_attn", "layer_1_attn", "layer_2_attn"]),
-    ("moe", ["layer_0_moe", "layer_2_moe"]),  # only the MoE layers of the mixed model
-    ("mlp", ["layer_1_mlp"]),
-    ("layer", ["layer_0", "layer_1", "layer_2"]),
-    ("decoder", ["decode_layers"]),
-])
+@pytest.mark.parametrize(
+    "plan,labels",
+    [
+        (None, []),
+        ("attention", ["layer_0_attn", "layer_1_attn", "layer_2_attn"]),
+        ("moe", ["layer_0_moe", "layer_2_moe"]),  # only the MoE layers of the mixed model
+        ("mlp", ["layer_1_mlp"]),
+        ("layer", ["layer_0", "layer_1", "layer_2"]),
+        ("decoder", ["decode_layers"]),
+    ],
+)
 def test_ge_graph_matches_eager(checkpoints, eager_generation, plan, labels):
     sk = ["model_config.superkernel.enable=true", f"model_config.superkernel.plan={plan}"] if plan else []
     runner = make_runner(checkpoints["mlp_only_layers"], "model_config.exe_mode=ge_graph", *sk)
@@ -194,9 +218,19 @@ def test_ge_graph_matches_eager(checkpoints, eager_generation, plan, labels):
 
 # --------------------------------------------------------------------------- end to end
 def test_recipe_infer_sh_runs_the_builtin_moe_debugmodel(tmp_path):
-    proc = subprocess.run(["bash", str(ROOT / "models" / "qwen3_moe" / "infer.sh"),
-                           "--set", "scheduler_config.max_new_tokens=4", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "models" / "qwen3_moe" / "infer.sh"),
+            "--set",
+            "scheduler_config.max_new_tokens=4",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["recipe"] == "qwen3_moe" and metrics["model_type"] == "qwen3_moe"

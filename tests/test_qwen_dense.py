@@ -5,6 +5,7 @@ static KV cache, so agreement with an independent implementation (fp32, eager at
 the only evidence that the architecture, the weight mapping and the cache are right. Loading
 failures must be errors naming the file, never random weights in disguise.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,9 @@ NEW_TOKENS = 12
 def full_logits(runner, ids: list[int]) -> torch.Tensor:
     """(S, V) fp32 logits of every position in one forward, like HF's full-sequence call."""
     x = torch.tensor([ids])
-    cache = KVCache(len(runner.model.layers), 1, runner.arch.num_kv_heads, len(ids) + 4,
-                    runner.arch.head_dim, torch.float32)
+    cache = KVCache(
+        len(runner.model.layers), 1, runner.arch.num_kv_heads, len(ids) + 4, runner.arch.head_dim, torch.float32
+    )
     hidden = runner.model(x, torch.arange(len(ids)).view(1, -1), cache, PREFILL_SCOPES)
     return runner.model.logits(hidden)[0]
 
@@ -62,8 +64,7 @@ def hub_style_ckpt(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def dense(qwen2_ckpt, qwen3_ckpt, qwen3_sharded_ckpt, hub_style_ckpt):
-    return {"qwen2": qwen2_ckpt, "qwen3": qwen3_ckpt, "qwen3_sharded": qwen3_sharded_ckpt,
-            "qwen3_hub": hub_style_ckpt}
+    return {"qwen2": qwen2_ckpt, "qwen3": qwen3_ckpt, "qwen3_sharded": qwen3_sharded_ckpt, "qwen3_hub": hub_style_ckpt}
 
 
 @pytest.fixture(scope="module")
@@ -176,8 +177,7 @@ def test_missing_shard(tmp_path, qwen3_sharded_ckpt, make_qwen_runner):
         make_qwen_runner(path)
 
 
-@pytest.mark.parametrize("change", [{"intermediate_size": 96}, {"num_hidden_layers": 3},
-                                    {"head_dim": 16}])
+@pytest.mark.parametrize("change", [{"intermediate_size": 96}, {"num_hidden_layers": 3}, {"head_dim": 16}])
 def test_config_json_not_matching_tensors(tmp_path, qwen3_ckpt, make_qwen_runner, change):
     path = _copy(qwen3_ckpt, tmp_path / "c")
     cfg = json.loads((path / "config.json").read_text())

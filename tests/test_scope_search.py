@@ -1,6 +1,7 @@
 """tools/scope_search.py end to end on CPU (1-layer dense and MoE models), plus the pieces a
 real search relies on: the accuracy rule, the search-space checks and the safe config edit.
 """
+
 from __future__ import annotations
 
 import json
@@ -97,7 +98,13 @@ def test_dense_search_budget_resume_apply(tmp_path, shared_dir, capsys):
         assert recs[n]["speedup_vs_baseline"] == pytest.approx(ms["baseline"] / ms[n])
         assert recs[n]["winner_speedup_over"] == pytest.approx(ms[n] / ms[winner])
     table = pd.read_csv(out / "scope_search.csv")
-    assert list(table["candidate"][:5]) == sorted(measured, key=ms.get) and table["rank"][:5].tolist() == [1, 2, 3, 4, 5]
+    assert list(table["candidate"][:5]) == sorted(measured, key=ms.get) and table["rank"][:5].tolist() == [
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]
     assert table["status"].tolist()[-1] == "failed"
     report = (out / "scope_search_report.md").read_text()
     assert "portable measurement on CPU, not an Ascend result" in report.splitlines()[2]
@@ -137,8 +144,21 @@ def test_moe_search(tmp_path, shared_dir, capsys):
     space = tmp_path / "space.yaml"
     space.write_text("builtin_plans: [mlp, moe]\n")
     out = tmp_path / "moe_search"
-    rc, stdout, err = search(capsys, "--model", "qwen3_moe", "--config", str(config), "--search-space", str(space),
-                             "--runs", "1", "--warmup", "0", "--out", str(out))
+    rc, stdout, err = search(
+        capsys,
+        "--model",
+        "qwen3_moe",
+        "--config",
+        str(config),
+        "--search-space",
+        str(space),
+        "--runs",
+        "1",
+        "--warmup",
+        "0",
+        "--out",
+        str(out),
+    )
     assert rc == 0, stdout + err
     status = json.loads((out / "search_status.json").read_text())
     assert list(status["candidates"]) == ["baseline", "moe"] and status["winner"] == "moe"
@@ -149,9 +169,14 @@ def test_moe_search(tmp_path, shared_dir, capsys):
     assert metrics["model_type"] == "qwen3_moe" and metrics["superkernel"]["ran"]
     assert [s["label"] for s in metrics["superkernel"]["scopes"]] == ["layer_0_moe"]
     assert moe["speedup_vs_baseline"] == pytest.approx(
-        status["candidates"]["baseline"]["summary"]["step_ms"] / moe["summary"]["step_ms"])
-    assert config.read_text() == recipe_config(tmp_path / "fresh.yaml", shared_dir / "tiny_moe",
-                                               shared_dir / "compile_cache", "qwen3_moe").read_text()
+        status["candidates"]["baseline"]["summary"]["step_ms"] / moe["summary"]["step_ms"]
+    )
+    assert (
+        config.read_text()
+        == recipe_config(
+            tmp_path / "fresh.yaml", shared_dir / "tiny_moe", shared_dir / "compile_cache", "qwen3_moe"
+        ).read_text()
+    )
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -176,11 +201,13 @@ def test_accuracy_rule_rejects_with_numbers():
 
 def test_bad_search_space_and_overrides_exit_2(tmp_path, shared_dir, capsys):
     config = recipe_config(tmp_path / "recipe.yaml", shared_dir / "tiny_dense", shared_dir / "compile_cache")
-    cases = {"builtin_plans: [attention, everything]\n": "everything",
-             "option_variants: {cpu: ['stream-fusion=2']}\n": "stream-fusion",
-             "custom: [{name: c, scopes: [{regions: [layer_0], label: x, options: 'bogus=1'}]}]\n": "bogus",
-             "custom: [{name: baseline, scopes: [{regions: [layer_0], label: x}]}]\n": "baseline",
-             "plans: [attention]\n": "plans"}
+    cases = {
+        "builtin_plans: [attention, everything]\n": "everything",
+        "option_variants: {cpu: ['stream-fusion=2']}\n": "stream-fusion",
+        "custom: [{name: c, scopes: [{regions: [layer_0], label: x, options: 'bogus=1'}]}]\n": "bogus",
+        "custom: [{name: baseline, scopes: [{regions: [layer_0], label: x}]}]\n": "baseline",
+        "plans: [attention]\n": "plans",
+    }
     for i, (text, word) in enumerate(cases.items()):
         space = tmp_path / f"space{i}.yaml"
         space.write_text(text)
@@ -195,20 +222,28 @@ def test_bad_search_space_and_overrides_exit_2(tmp_path, shared_dir, capsys):
 
 def test_apply_changes_restores_on_refusal_and_keeps_comments(tmp_path):
     path = tmp_path / "c.yaml"
-    original = "# top comment\nmodel_config:\n  exe_mode: \"eager\"   # modes\n  superkernel:\n    enable: false  # sk\n"
+    original = '# top comment\nmodel_config:\n  exe_mode: "eager"   # modes\n  superkernel:\n    enable: false  # sk\n'
     path.write_text(original)
 
     def refuse(p: Path):
         assert yaml.safe_load(p.read_text())["model_config"]["superkernel"]["enable"] is True
         raise ValueError("refused")
+
     with pytest.raises(ValueError, match="refused"):
         apply_changes(path, {"model_config.superkernel.enable": True}, validate=refuse)
     assert path.read_text() == original
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp") or ".check." in p.name]
-    res = apply_changes(path, {"model_config.superkernel.enable": True,
-                               "model_config.superkernel.custom": [{"regions": ["layer_*_m??"], "label": "ffn"}]})
+    res = apply_changes(
+        path,
+        {
+            "model_config.superkernel.enable": True,
+            "model_config.superkernel.custom": [{"regions": ["layer_*_m??"], "label": "ffn"}],
+        },
+    )
     new = path.read_text()
     assert "# top comment" in new and "# modes" in new and "# sk" in new
     assert yaml.safe_load(new)["model_config"]["superkernel"] == {
-        "enable": True, "custom": [{"regions": ["layer_*_m??"], "label": "ffn"}]}
+        "enable": True,
+        "custom": [{"regions": ["layer_*_m??"], "label": "ffn"}],
+    }
     assert res.backup.read_text() == original and "+    enable: true" in res.diff

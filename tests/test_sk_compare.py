@@ -4,6 +4,7 @@ signals and crashes byte for byte, cann-recipes-infer logs parse, every error pa
 Runs use a 1-layer model (config.json only, random weights) and a compile cache shared by the
 whole session, so each real run costs seconds, not minutes.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,6 +30,7 @@ except ImportError:  # plain `pytest`
 REPO = Path(__file__).resolve().parent.parent
 TOOL = REPO / "tools" / "sk_compare.py"
 
+
 @pytest.fixture
 def user_config(tmp_path, shared_dir) -> Path:
     return recipe_config(tmp_path / "my_recipe.yaml", shared_dir / "tiny_dense", shared_dir / "compile_cache")
@@ -44,8 +46,9 @@ def compare(capsys, *argv: str) -> tuple[int, str, str]:
 def test_end_to_end_both_sides_run(tmp_path, user_config, capsys):
     before = user_config.read_bytes()
     out = tmp_path / "report"
-    rc, stdout, err = compare(capsys, "--config", str(user_config), "--plan", "decoder", "--runs", "2",
-                              "--warmup", "0", "--out", str(out))
+    rc, _stdout, err = compare(
+        capsys, "--config", str(user_config), "--plan", "decoder", "--runs", "2", "--warmup", "0", "--out", str(out)
+    )
     assert rc == 0, err
     assert user_config.read_bytes() == before
     assert "baseline run 2/2" in err and "optimized run 1/2" in err  # progress: side, run k of N
@@ -67,12 +70,17 @@ def test_end_to_end_both_sides_run(tmp_path, user_config, capsys):
     scopes = json.loads((out / "runs" / "optimized.1" / "metrics.json").read_text())["superkernel"]["scopes"]
     assert [s["label"] for s in scopes] == ["decode_layers"]
     assert summary["latency_improvement_percent"] == pytest.approx(
-        (summary["baseline"]["step_ms"] - summary["optimized"]["step_ms"]) / summary["baseline"]["step_ms"] * 100)
+        (summary["baseline"]["step_ms"] - summary["optimized"]["step_ms"]) / summary["baseline"]["step_ms"] * 100
+    )
     checks = {c["item"]: c["status"] for c in res["checklist"]}
-    assert checks == {"exe_mode is ge_graph": "PASS", "hardware is Atlas A3": "WARN", "framework is PyTorch": "PASS",
-                      "prefill and decode are separate": "PASS",
-                      "model declares regions and the plan marks at least one": "PASS",
-                      "SuperKernel really ran in the optimized runs": "PASS"}
+    assert checks == {
+        "exe_mode is ge_graph": "PASS",
+        "hardware is Atlas A3": "WARN",
+        "framework is PyTorch": "PASS",
+        "prefill and decode are separate": "PASS",
+        "model declares regions and the plan marks at least one": "PASS",
+        "SuperKernel really ran in the optimized runs": "PASS",
+    }
     # the copies differ only in the SuperKernel keys and keep the user's comments
     base, opt = (yaml.safe_load((out / f"{s}.yaml").read_text()) for s in ("baseline", "optimized"))
     assert base["model_config"]["superkernel"] == {"enable": False, "plan": "attention"}
@@ -82,11 +90,26 @@ def test_end_to_end_both_sides_run(tmp_path, user_config, capsys):
     assert "# the configured plan" in (out / "optimized.yaml").read_text()
     report = (out / "superkernel_optimization_report.md").read_text()
     assert "portable measurement on CPU, not an Ascend result" in "\n".join(report.splitlines()[:3])
-    for section in ("## Model", "## Scope strategy", "## Date", "## Config changes", "## Code changes",
-                    "## Environment", "## Results", "## Prerequisite checklist", "## Conclusion", "## How to reproduce"):
+    for section in (
+        "## Model",
+        "## Scope strategy",
+        "## Date",
+        "## Config changes",
+        "## Code changes",
+        "## Environment",
+        "## Results",
+        "## Prerequisite checklist",
+        "## Conclusion",
+        "## How to reproduce",
+    ):
         assert section in report
     runs = pd.read_csv(out / "runs.csv")
-    assert sorted(zip(runs["side"], runs["index"])) == [("baseline", 1), ("baseline", 2), ("optimized", 1), ("optimized", 2)]
+    assert sorted(zip(runs["side"], runs["index"])) == [
+        ("baseline", 1),
+        ("baseline", 2),
+        ("optimized", 1),
+        ("optimized", 2),
+    ]
     assert runs["ok"].all() and (runs["step_ms"] > 0).all()
     for png in ("decode_step_latency.png", "decode_latency_runs.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -121,13 +144,18 @@ def test_signal_mid_run_leaves_config_identical_and_no_child(tmp_path, user_conf
     out = tmp_path / "interrupted"
     cmd = [sys.executable, str(TOOL), "--config", str(user_config), "--runs", "2", "--warmup", "0", "--out", str(out)]
     if sig == signal.SIGTERM:  # a long command whose process tree we can find again
-        cmd += ["--cmd-baseline", f"{sys.executable} -c 'import time; print(\"started\", flush=True); time.sleep(97)' {out}"]
+        cmd += [
+            "--cmd-baseline",
+            f"{sys.executable} -c 'import time; print(\"started\", flush=True); time.sleep(97)' {out}",
+        ]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         log = out / "baseline.1.log"
-        _wait_for(lambda: log.is_file() and log.read_text().strip() and _children_with(str(out)), "the first run to start")
+        _wait_for(
+            lambda: log.is_file() and log.read_text().strip() and _children_with(str(out)), "the first run to start"
+        )
         proc.send_signal(sig)
-        stdout, stderr = proc.communicate(timeout=60)
+        _stdout, stderr = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -140,10 +168,25 @@ def test_signal_mid_run_leaves_config_identical_and_no_child(tmp_path, user_conf
 def test_crashed_side_reported_as_failed_config_identical(tmp_path, user_config, capsys):
     before = user_config.read_bytes()
     out = tmp_path / "crash"
-    base_cmd = ("printf 'qwen inference time cost of prefill is 5.00 ms\\n"
-                "qwen inference time cost of decode is 2.00 ms\\nqwen inference time cost of decode is 4.00 ms\\n'")
-    rc, stdout, err = compare(capsys, "--config", str(user_config), "--runs", "2", "--warmup", "1", "--out", str(out),
-                              "--cmd-baseline", base_cmd, "--cmd-optimized", "echo 'error: device lost' >&2; false")
+    base_cmd = (
+        "printf 'qwen inference time cost of prefill is 5.00 ms\\n"
+        "qwen inference time cost of decode is 2.00 ms\\nqwen inference time cost of decode is 4.00 ms\\n'"
+    )
+    rc, _stdout, _err = compare(
+        capsys,
+        "--config",
+        str(user_config),
+        "--runs",
+        "2",
+        "--warmup",
+        "1",
+        "--out",
+        str(out),
+        "--cmd-baseline",
+        base_cmd,
+        "--cmd-optimized",
+        "echo 'error: device lost' >&2; false",
+    )
     assert rc == 1
     assert user_config.read_bytes() == before
     res = json.loads((out / "results.json").read_text())
@@ -158,13 +201,31 @@ def test_crashed_side_reported_as_failed_config_identical(tmp_path, user_config,
 def test_eager_config_with_graph_only_override_runs_both_sides_in_ge_graph(tmp_path, user_config, capsys):
     """The shipped configs are eager; `--set model_config.enable_cache_compile=true` is only valid
     in a graph mode, which the tool switches both sides to, so it must not be rejected up front."""
-    user_config.write_text(user_config.read_text().replace('exe_mode: "ge_graph"', 'exe_mode: "eager"')
-                           .replace("enable_cache_compile: true", "enable_cache_compile: false"))
+    user_config.write_text(
+        user_config.read_text()
+        .replace('exe_mode: "ge_graph"', 'exe_mode: "eager"')
+        .replace("enable_cache_compile: true", "enable_cache_compile: false")
+    )
     before = user_config.read_bytes()
     log = "printf 'qwen inference time cost of decode is 2.00 ms\\nqwen inference time cost of decode is 2.50 ms\\n'"
     out = tmp_path / "eager"
-    rc, _, err = compare(capsys, "--config", str(user_config), "--runs", "1", "--warmup", "0", "--out", str(out),
-                         "--set", "model_config.enable_cache_compile=true", "--cmd-baseline", log, "--cmd-optimized", log)
+    rc, _, err = compare(
+        capsys,
+        "--config",
+        str(user_config),
+        "--runs",
+        "1",
+        "--warmup",
+        "0",
+        "--out",
+        str(out),
+        "--set",
+        "model_config.enable_cache_compile=true",
+        "--cmd-baseline",
+        log,
+        "--cmd-optimized",
+        log,
+    )
     assert rc == 0, err
     assert user_config.read_bytes() == before
     for side in ("baseline", "optimized"):  # each side runs its copy plus the --set overrides
@@ -195,13 +256,18 @@ def test_from_logs_upstream_format(tmp_path, user_config, capsys):
     base.write_text(UPSTREAM_BASE)
     opt.write_text(UPSTREAM_OPT)
     out = tmp_path / "parsed"
-    rc, stdout, err = compare(capsys, "--config", str(user_config), "--from-logs", str(base), str(opt), "--out", str(out))
+    rc, _stdout, err = compare(
+        capsys, "--config", str(user_config), "--from-logs", str(base), str(opt), "--out", str(out)
+    )
     assert rc == 0, err
     s = json.loads((out / "results.json").read_text())["summary"]
     assert s["baseline"]["step_ms"] == pytest.approx(10.0)
     assert s["optimized"]["step_ms"] == pytest.approx(8.0)
     assert (s["baseline"]["prefill_ms"], s["optimized"]["prefill_ms"]) == (41.12, 40.0)
-    assert (s["baseline"]["tokens_per_s"], s["optimized"]["tokens_per_s"]) == (pytest.approx(100.0), pytest.approx(125.0))
+    assert (s["baseline"]["tokens_per_s"], s["optimized"]["tokens_per_s"]) == (
+        pytest.approx(100.0),
+        pytest.approx(125.0),
+    )
     assert s["latency_improvement_percent"] == pytest.approx(20.0)
     assert s["throughput_gain_percent"] == pytest.approx(25.0)
     assert s["exceeds_noise"] is False  # one run a side: no noise estimate, no claim
@@ -239,12 +305,28 @@ def test_error_paths_exit_2(tmp_path, user_config, capsys):
 
 def test_require_a3_and_help_via_script(tmp_path, user_config):
     before = user_config.read_bytes()
-    res = subprocess.run([sys.executable, str(TOOL), "--config", str(user_config), "--require-a3",
-                          "--out", str(tmp_path / "a3")], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, str(TOOL), "--config", str(user_config), "--require-a3", "--out", str(tmp_path / "a3")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2
     assert res.stderr.startswith("error: --require-a3") and "not an Atlas A3" in res.stderr
     assert not (tmp_path / "a3").exists() and user_config.read_bytes() == before
-    res = subprocess.run([sys.executable, str(TOOL), "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, str(TOOL), "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0
-    for flag in ("--runs", "--warmup", "--plan", "--set", "--cmd-baseline", "--cmd-optimized", "--from-logs", "--require-a3"):
+    for flag in (
+        "--runs",
+        "--warmup",
+        "--plan",
+        "--set",
+        "--cmd-baseline",
+        "--cmd-optimized",
+        "--from-logs",
+        "--require-a3",
+    ):
         assert flag in res.stdout

@@ -1,10 +1,15 @@
 """executor.stats against hand-computed values."""
+
 import math
 
 import pytest
 
 from executor.stats import (
-    cv_percent, exceeds_noise, improvement_percent, median, stability_verdict,
+    cv_percent,
+    exceeds_noise,
+    improvement_percent,
+    median,
+    stability_verdict,
     throughput_gain_percent,
 )
 
@@ -26,10 +31,19 @@ def test_cv_percent():
     assert cv_percent([3, 3, 3]) == 0.0
 
 
-@pytest.mark.parametrize("cv, verdict", [
-    (0.0, "excellent"), (4.999, "excellent"), (5.0, "good"), (9.999, "good"),
-    (10.0, "fair"), (20.0, "fair"), (20.001, "poor"), (math.inf, "poor"),
-])
+@pytest.mark.parametrize(
+    "cv, verdict",
+    [
+        (0.0, "excellent"),
+        (4.999, "excellent"),
+        (5.0, "good"),
+        (9.999, "good"),
+        (10.0, "fair"),
+        (20.0, "fair"),
+        (20.001, "poor"),
+        (math.inf, "poor"),
+    ],
+)
 def test_verdict_boundaries(cv, verdict):
     assert stability_verdict(cv) == verdict
 
@@ -64,9 +78,9 @@ def test_exceeds_noise_overlapping_ranges():
 
 
 def test_exceeds_noise_few_runs():
-    assert exceeds_noise([10.0, 10.2], [5.0, 5.1])   # 2 runs: sigma rule only
-    assert exceeds_noise([10.0], [5.0, 5.1])         # one side gives the noise estimate
-    assert not exceeds_noise([10.0], [5.0])          # no noise estimate at all
+    assert exceeds_noise([10.0, 10.2], [5.0, 5.1])  # 2 runs: sigma rule only
+    assert exceeds_noise([10.0], [5.0, 5.1])  # one side gives the noise estimate
+    assert not exceeds_noise([10.0], [5.0])  # no noise estimate at all
     assert not exceeds_noise([10.0, 10.0, 10.0], [10.0, 10.0, 10.0])
     with pytest.raises(ValueError):
         exceeds_noise([], [1.0, 2.0])

@@ -32,7 +32,7 @@ TEXTS = [
     "  leading spaces, trailing spaces  \n\tand tabs\r\n",
     "Numbers 0 1 2 42 3.14159 and symbols {}[]()<>#@%^&*",
     "def add(a, b):\n    return a + b\n",
-    "Unicode: café naïve Ünïcødé — 你好，世界 🤖🚀",
+    "Unicode: café naïve Ünïcødé — 你好，世界 🤖🚀",  # noqa: RUF001 (the full-width comma is the point)
     "zzqxj unseen wordz like xylophonist",
 ]
 
@@ -88,7 +88,7 @@ def test_missing_path_raises(tmp_path):
 def test_unreadable_file_raises(tmp_path):
     bad = tmp_path / "tokenizer.json"
     bad.write_text("{not json")
-    with pytest.raises(TokenizerError, match="tokenizer.json"):
+    with pytest.raises(TokenizerError, match=r"tokenizer\.json"):
         Tokenizer.from_file(bad)
 
 
@@ -196,7 +196,7 @@ def test_checkpoint_is_deterministic(tmp_path, checkpoints):
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert a["model.layers.0.self_attn.q_proj.bias"].abs().min() > 0  # biases are nonzero
     norm = a["model.norm.weight"]
-    assert 0.9 <= norm.min() and norm.max() <= 1.1 and norm.std() > 0
+    assert norm.min() >= 0.9 and norm.max() <= 1.1 and norm.std() > 0
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3_moe"])

@@ -1,16 +1,34 @@
 """Tiny recipe configs shared by the tools tests (sk_compare, scope_search): a 1-layer model
 (config.json only, seeded random weights) so a real compiled run costs seconds."""
+
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-TINY_DENSE = {"model_type": "qwen3", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
-              "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
-              "max_position_embeddings": 256}
-TINY_MOE = dict(TINY_DENSE, model_type="qwen3_moe", tie_word_embeddings=False, num_experts=4,
-                num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+TINY_DENSE = {
+    "model_type": "qwen3",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 256,
+}
+TINY_MOE = dict(
+    TINY_DENSE,
+    model_type="qwen3_moe",
+    tie_word_embeddings=False,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    norm_topk_prob=True,
+)
 
 RECIPE_YAML = """\
 # test recipe: a 1-layer model so that compiles stay short

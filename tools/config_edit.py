@@ -9,24 +9,27 @@ leave broken. The new text is validated before it replaces the original, the rep
 atomic (a crash leaves either the old or the new file, never half of one), and the previous
 version stays next to it as `<name>.bak-<timestamp>`.
 """
+
 from __future__ import annotations
 
 import datetime
 import difflib
 import io
+import itertools
 import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.scalarstring import DoubleQuotedScalarString
 
-__all__ = ["edited_text", "write_copy", "apply_changes", "ApplyResult", "unified_diff"]
+__all__ = ["ApplyResult", "apply_changes", "edited_text", "unified_diff", "write_copy"]
 
 
 def _yaml(text: str = "") -> YAML:
@@ -43,7 +46,7 @@ def _yaml(text: str = "") -> YAML:
 def _guess_indent(text: str) -> dict[str, int]:
     """Indentation of the first block list under a key: `key:` at column k, `- ` at k + offset."""
     lines = text.splitlines()
-    for prev, line in zip(lines, lines[1:]):
+    for prev, line in itertools.pairwise(lines):
         m_key = re.match(r"^( *)[^\s#-][^#]*:\s*(#.*)?$", prev)
         m_item = re.match(r"^( *)- ", line)
         if m_key and m_item:
@@ -110,8 +113,11 @@ def write_copy(src: Path, dst: Path, changes: Mapping[str, Any]) -> Path:
 
 
 def unified_diff(old: str, new: str, old_name: str, new_name: str) -> str:
-    return "".join(difflib.unified_diff(old.splitlines(keepends=True), new.splitlines(keepends=True),
-                                        fromfile=old_name, tofile=new_name))
+    return "".join(
+        difflib.unified_diff(
+            old.splitlines(keepends=True), new.splitlines(keepends=True), fromfile=old_name, tofile=new_name
+        )
+    )
 
 
 @dataclass
@@ -136,8 +142,9 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
-def apply_changes(path: Path, changes: Mapping[str, Any],
-                  validate: Callable[[Path], None] | None = None) -> ApplyResult:
+def apply_changes(
+    path: Path, changes: Mapping[str, Any], validate: Callable[[Path], None] | None = None
+) -> ApplyResult:
     """Edit the config at `path` in place, safely.
 
     Order: backup copy -> new text written to a temp file next to it and validated there
@@ -165,5 +172,6 @@ def apply_changes(path: Path, changes: Mapping[str, Any],
         if path.read_bytes() != original:
             _atomic_write(path, original)
         raise
-    return ApplyResult(path, backup, unified_diff(original.decode("utf-8"), new_text,
-                                                  f"{path} (before)", f"{path} (after)"))
+    return ApplyResult(
+        path, backup, unified_diff(original.decode("utf-8"), new_text, f"{path} (before)", f"{path} (after)")
+    )

@@ -10,6 +10,7 @@ Also here, because both tools need them: the YAML copies each side runs with (th
 is only ever read), the per-side statistics, and an in-process accuracy run that compares a
 compiled candidate's greedy tokens and logits with the eager run on the same prompts.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,9 +20,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from executor import stats
 from executor.arch import REPO_ROOT
@@ -43,8 +45,9 @@ def reject_superkernel_overrides(overrides: list[str], tool: str) -> None:
     """The tools own the SuperKernel keys of each side; a --set on them would silently win."""
     for item in overrides:
         if item.split("=", 1)[0].strip().startswith(SK_KEY + "."):
-            raise ConfigError(f"--set {item}: {tool} sets {SK_KEY}.* itself for each side "
-                              "(use --plan to choose the plan)")
+            raise ConfigError(
+                f"--set {item}: {tool} sets {SK_KEY}.* itself for each side (use --plan to choose the plan)"
+            )
 
 
 def side_changes(cfg: RunConfig, superkernel: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
@@ -58,7 +61,9 @@ def side_changes(cfg: RunConfig, superkernel: dict[str, Any] | None) -> tuple[di
     notes: list[str] = []
     if cfg.model_config.exe_mode == "eager":
         changes["model_config.exe_mode"] = "ge_graph"
-        notes.append("model_config.exe_mode: eager -> ge_graph (SuperKernel needs a graph mode; same mode on every side)")
+        notes.append(
+            "model_config.exe_mode: eager -> ge_graph (SuperKernel needs a graph mode; same mode on every side)"
+        )
     if superkernel is None:
         changes[f"{SK_KEY}.enable"] = False
         notes.append(f"{SK_KEY}.enable: false")
@@ -81,30 +86,30 @@ def write_side_config(src: Path, dst: Path, changes: dict[str, Any], overrides: 
 # ----------------------------------------------------------------------------- one run
 @dataclass
 class Side:
-    name: str                              # "baseline", "optimized" or a candidate name
-    config: Path | None = None             # YAML copy given to infer.sh
+    name: str  # "baseline", "optimized" or a candidate name
+    config: Path | None = None  # YAML copy given to infer.sh
     overrides: tuple[str, ...] = ()
-    command: str | None = None             # shell command whose stdout is the log, instead of infer.sh
+    command: str | None = None  # shell command whose stdout is the log, instead of infer.sh
 
 
 @dataclass
 class RunResult:
     side: str
-    index: int                             # 0 = warm-up, 1..N measured
+    index: int  # 0 = warm-up, 1..N measured
     ok: bool
     error: str | None
     log: str
     out_dir: str | None
     wall_s: float
     returncode: int | None = None
-    step_ms: float | None = None           # decode ms/step, IQR outliers dropped
+    step_ms: float | None = None  # decode ms/step, IQR outliers dropped
     decode_ms: list[float] = field(default_factory=list)
-    tokens_per_s: float | None = None      # batch_size * 1000 / step_ms
+    tokens_per_s: float | None = None  # batch_size * 1000 / step_ms
     prefill_ms: float | None = None
     batch_size: int | None = None
     decode_steps: int | None = None
     peak_memory_mb: float | None = None
-    model_name: str | None = None          # as the log lines name it
+    model_name: str | None = None  # as the log lines name it
     metrics: dict | None = field(default=None, repr=False)
 
     def row(self) -> dict:
@@ -117,8 +122,15 @@ def infer_command(model: str, config: Path, overrides: tuple[str, ...], out_dir:
     return ["bash", str(INFER_SH), "--model", model, "--config", str(config), *sets, "--out", str(out_dir)]
 
 
-def parse_run(side: str, index: int, log: Path, out_dir: Path | None, batch_hint: int | None,
-              wall_s: float = 0.0, returncode: int | None = 0) -> RunResult:
+def parse_run(
+    side: str,
+    index: int,
+    log: Path,
+    out_dir: Path | None,
+    batch_hint: int | None,
+    wall_s: float = 0.0,
+    returncode: int | None = 0,
+) -> RunResult:
     """Numbers of one finished run from its log (+ metrics.json); raises MeasureError."""
     try:
         parsed = parse_log_file(log)
@@ -129,10 +141,25 @@ def parse_run(side: str, index: int, log: Path, out_dir: Path | None, batch_hint
     if out_dir is not None and (out_dir / "metrics.json").is_file():
         metrics = json.loads((out_dir / "metrics.json").read_text())
     batch = parsed.batch_size or (metrics or {}).get("batch_size") or batch_hint or 1
-    return RunResult(side, index, True, None, str(log), None if out_dir is None else str(out_dir), wall_s,
-                     returncode, step, list(parsed.decode_ms), batch * 1000.0 / step if step > 0 else None,
-                     parsed.prefill_ms, batch, parsed.decode_steps or (len(parsed.decode_ms) or None),
-                     (metrics or {}).get("peak_memory_mb"), parsed.model_name, metrics)
+    return RunResult(
+        side,
+        index,
+        True,
+        None,
+        str(log),
+        None if out_dir is None else str(out_dir),
+        wall_s,
+        returncode,
+        step,
+        list(parsed.decode_ms),
+        batch * 1000.0 / step if step > 0 else None,
+        parsed.prefill_ms,
+        batch,
+        parsed.decode_steps or (len(parsed.decode_ms) or None),
+        (metrics or {}).get("peak_memory_mb"),
+        parsed.model_name,
+        metrics,
+    )
 
 
 def _last_error(log: Path) -> str:
@@ -157,8 +184,9 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
-def run_once(model: str, side: Side, index: int, work_dir: Path, batch_hint: int | None,
-             echo: bool = False) -> RunResult:
+def run_once(
+    model: str, side: Side, index: int, work_dir: Path, batch_hint: int | None, echo: bool = False
+) -> RunResult:
     """Run one side once, teeing its output to `<side>.<index>.log` (`<side>.warmup.log`)."""
     tag = "warmup" if index == 0 else str(index)
     log = work_dir / f"{side.name}.{tag}.log"
@@ -172,8 +200,16 @@ def run_once(model: str, side: Side, index: int, work_dir: Path, batch_hint: int
     env = dict(os.environ, PYTHONUNBUFFERED="1", SK_SIDE=side.name, SK_RUN=str(index), SK_OUT=str(out_dir))
     t0 = time.monotonic()
     with log.open("w") as fh:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                cwd=REPO_ROOT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            cwd=REPO_ROOT,
+            env=env,
+            start_new_session=True,
+        )
         try:
             for line in proc.stdout:
                 fh.write(line)
@@ -188,8 +224,9 @@ def run_once(model: str, side: Side, index: int, work_dir: Path, batch_hint: int
             proc.stdout.close()
     wall = time.monotonic() - t0
     if rc != 0:
-        return RunResult(side.name, index, False, f"exit code {rc}: {_last_error(log)}", str(log), str(out_dir),
-                         wall, rc)
+        return RunResult(
+            side.name, index, False, f"exit code {rc}: {_last_error(log)}", str(log), str(out_dir), wall, rc
+        )
     try:
         return parse_run(side.name, index, log, out_dir, batch_hint, wall, rc)
     except MeasureError as exc:
@@ -216,8 +253,16 @@ def _describe(r: RunResult) -> str:
     return f"{r.step_ms:.3f} ms/step, {r.tokens_per_s:.1f} tokens/s ({r.wall_s:.1f} s)"
 
 
-def measure(model: str, sides: list[Side], runs: int, warmup: int, work_dir: Path, progress: Progress,
-            batch_hint: int | None = None, echo: bool = False) -> dict[str, list[RunResult]]:
+def measure(
+    model: str,
+    sides: list[Side],
+    runs: int,
+    warmup: int,
+    work_dir: Path,
+    progress: Progress,
+    batch_hint: int | None = None,
+    echo: bool = False,
+) -> dict[str, list[RunResult]]:
     """Warm-up runs, then `runs` measured rounds alternating the sides (drift hits all alike).
 
     Warm-up runs fill the compile cache and the OS page cache; their numbers are kept in the
@@ -244,8 +289,12 @@ def summarise(results: list[RunResult]) -> dict:
     """Per-side statistics over the measured (index >= 1), successful runs."""
     measured = [r for r in results if r.index >= 1]
     ok = [r for r in measured if r.ok]
-    out: dict[str, Any] = {"runs": len(measured), "ok_runs": len(ok), "failed_runs": len(measured) - len(ok),
-                           "errors": [r.error for r in measured if not r.ok]}
+    out: dict[str, Any] = {
+        "runs": len(measured),
+        "ok_runs": len(ok),
+        "failed_runs": len(measured) - len(ok),
+        "errors": [r.error for r in measured if not r.ok],
+    }
     if not ok:
         return out | {"step_ms": None}
     steps = [r.step_ms for r in ok]
@@ -253,8 +302,12 @@ def summarise(results: list[RunResult]) -> dict:
     prefills = [r.prefill_ms for r in ok if r.prefill_ms is not None]
     step = stats.median(steps)
     return out | {
-        "step_ms": step, "step_ms_runs": steps, "step_ms_min": min(steps), "step_ms_max": max(steps),
-        "cv_percent": cv, "stability": stats.stability_verdict(cv) if len(ok) >= 2 else "unknown (1 run)",
+        "step_ms": step,
+        "step_ms_runs": steps,
+        "step_ms_min": min(steps),
+        "step_ms_max": max(steps),
+        "cv_percent": cv,
+        "stability": stats.stability_verdict(cv) if len(ok) >= 2 else "unknown (1 run)",
         # from the median step, so the two columns of a report always agree with each other
         "tokens_per_s": (ok[0].batch_size or 1) * 1000.0 / step if step > 0 else None,
         "prefill_ms": stats.median(prefills) if prefills else None,
@@ -267,12 +320,19 @@ def compare(base: list[RunResult], opt: list[RunResult]) -> dict:
     sb, so = summarise(base), summarise(opt)
     out: dict[str, Any] = {"baseline": sb, "optimized": so}
     if sb["step_ms"] is None or so["step_ms"] is None:
-        return out | {"latency_improvement_percent": None, "throughput_gain_percent": None,
-                      "speedup": None, "exceeds_noise": None}
+        return out | {
+            "latency_improvement_percent": None,
+            "throughput_gain_percent": None,
+            "speedup": None,
+            "exceeds_noise": None,
+        }
     return out | {
         "latency_improvement_percent": stats.improvement_percent(sb["step_ms"], so["step_ms"]),
-        "throughput_gain_percent": (stats.throughput_gain_percent(sb["tokens_per_s"], so["tokens_per_s"])
-                                    if sb["tokens_per_s"] and so["tokens_per_s"] else None),
+        "throughput_gain_percent": (
+            stats.throughput_gain_percent(sb["tokens_per_s"], so["tokens_per_s"])
+            if sb["tokens_per_s"] and so["tokens_per_s"]
+            else None
+        ),
         "speedup": sb["step_ms"] / so["step_ms"],
         "exceeds_noise": stats.exceeds_noise(sb["step_ms_runs"], so["step_ms_runs"]),
     }
@@ -285,8 +345,9 @@ def compare(base: list[RunResult], opt: list[RunResult]) -> dict:
 COSINE_MIN = {"float32": 0.999, "bfloat16": 0.99, "float16": 0.99}
 
 
-def generate_in_process(runner_cls, cfg: RunConfig, platform, max_new_tokens: int,
-                        prompt_ids: list[list[int]] | None = None):
+def generate_in_process(
+    runner_cls, cfg: RunConfig, platform, max_new_tokens: int, prompt_ids: list[list[int]] | None = None
+):
     """Build the recipe's runner for `cfg` here, in this process, and greedy-decode once.
 
     Returns (Generation, regions, prompt_ids). Used for the accuracy check, which needs the
@@ -323,22 +384,37 @@ def check_accuracy(ref, cand, tokens: int, cosine_min: float) -> dict:
             if a != b and (mismatch is None or i < mismatch):
                 mismatch = i
                 break
-    cos = [float(F.cosine_similarity(a.float(), b.float(), dim=-1).min())
-           for a, b in ((ref.first_logits, cand.first_logits), (ref.last_logits, cand.last_logits))]
+    cos = [
+        float(F.cosine_similarity(a.float(), b.float(), dim=-1).min())
+        for a, b in ((ref.first_logits, cand.first_logits), (ref.last_logits, cand.last_logits))
+    ]
     passed = mismatch is None and min(cos) >= cosine_min
-    why = ("ok" if passed else
-           f"greedy tokens differ from eager at token {mismatch}" if mismatch is not None else
-           f"logits cosine {min(cos):.6f} < {cosine_min}")
-    return {"passed": passed, "tokens_checked": tokens, "first_mismatch": mismatch,
-            "cosine_prefill": cos[0], "cosine_last_step": cos[1], "cosine_min": cosine_min, "reason": why}
+    why = (
+        "ok"
+        if passed
+        else f"greedy tokens differ from eager at token {mismatch}"
+        if mismatch is not None
+        else f"logits cosine {min(cos):.6f} < {cosine_min}"
+    )
+    return {
+        "passed": passed,
+        "tokens_checked": tokens,
+        "first_mismatch": mismatch,
+        "cosine_prefill": cos[0],
+        "cosine_last_step": cos[1],
+        "cosine_min": cosine_min,
+        "reason": why,
+    }
 
 
 # ----------------------------------------------------------------------------- signals
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
     """SIGTERM (a killed job) unwinds like Ctrl-C, so `finally` blocks stop children and save state."""
+
     def handler(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
+
     try:
         previous = signal.signal(signal.SIGTERM, handler)
     except ValueError:  # not the main thread: leave signals alone
@@ -353,8 +429,10 @@ def sigterm_as_interrupt() -> Iterator[None]:
 # ----------------------------------------------------------------------------- plots
 def _pyplot():
     import matplotlib
+
     matplotlib.use("Agg")  # files only: works on headless machines and inside tests
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -364,8 +442,14 @@ def plot_steps(path: Path, results: dict[str, list[RunResult]], title: str) -> P
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for i, (name, runs) in enumerate(results.items()):
         for j, r in enumerate(x for x in runs if x.ok and x.index >= 1 and x.decode_ms):
-            ax.plot(range(1, len(r.decode_ms) + 1), r.decode_ms, color=f"C{i}", alpha=0.8 if j == 0 else 0.4,
-                    marker=".", label=name if j == 0 else None)
+            ax.plot(
+                range(1, len(r.decode_ms) + 1),
+                r.decode_ms,
+                color=f"C{i}",
+                alpha=0.8 if j == 0 else 0.4,
+                marker=".",
+                label=name if j == 0 else None,
+            )
     ax.set(xlabel="decode step", ylabel="ms", title=title)
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.grid(alpha=0.3)
@@ -384,10 +468,18 @@ def plot_medians(path: Path, summaries: dict[str, dict], title: str) -> Path:
     fig, ax = plt.subplots(figsize=(max(4.0, 1.3 * len(names) + 2), 4.5))
     for i, n in enumerate(names):
         s = summaries[n]
-        ax.bar(i, s["step_ms"], color=f"C{i % 10}", alpha=0.7,
-               yerr=[[s["step_ms"] - s["step_ms_min"]], [s["step_ms_max"] - s["step_ms"]]], capsize=6)
+        ax.bar(
+            i,
+            s["step_ms"],
+            color=f"C{i % 10}",
+            alpha=0.7,
+            yerr=[[s["step_ms"] - s["step_ms_min"]], [s["step_ms_max"] - s["step_ms"]]],
+            capsize=6,
+        )
         ax.scatter([i] * len(s["step_ms_runs"]), s["step_ms_runs"], color="k", s=12, zorder=3)
-    ax.set_xticks(range(len(names)), names, rotation=20 if len(names) > 3 else 0, ha="right" if len(names) > 3 else "center")
+    ax.set_xticks(
+        range(len(names)), names, rotation=20 if len(names) > 3 else 0, ha="right" if len(names) > 3 else "center"
+    )
     ax.set(ylabel="decode ms/step (median; whiskers: run min..max)", title=title)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()

@@ -11,6 +11,7 @@ a restart with the same --out resumes from it, --max-minutes bounds the time, an
 candidate is recorded without stopping the search. Exit 0 only when the search finished and
 named a winner.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,13 @@ from tools import measure
 from tools.config_edit import apply_changes
 from tools.measure import fmt
 
-STATUS, REPORT, RESULTS, CSV, CHART = ("search_status.json", "scope_search_report.md", "scope_search_results.json",
-                                       "scope_search.csv", "scope_search.png")
+STATUS, REPORT, RESULTS, CSV, CHART = (
+    "search_status.json",
+    "scope_search_report.md",
+    "scope_search_results.json",
+    "scope_search.csv",
+    "scope_search.png",
+)
 DEFAULT_SPACE = REPO_ROOT / "configs" / "search_space.yaml"
 FINAL = ("done", "rejected", "failed")
 
@@ -47,13 +53,20 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python tools/scope_search.py",
         description="Try every SuperKernel scope candidate, reject inaccurate ones, measure the rest and name "
-                    "the fastest; report .md/.json/.csv/.png in the model's result directory.",
+        "the fastest; report .md/.json/.csv/.png in the model's result directory.",
         epilog="exit codes: 0 winner found, 1 no winner or search unfinished (rerun with the same --out to resume), "
-               "2 bad input, 130 interrupted")
+        "2 bad input, 130 interrupted",
+    )
     p.add_argument("--model", default="qwen", help="recipe directory under models/ (default: qwen)")
     p.add_argument("--config", help="recipe YAML (default: models/<model>/config.yaml); read only unless --apply")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override for every candidate (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for every candidate (repeatable)",
+    )
     p.add_argument("--search-space", help=f"candidate file (default: {DEFAULT_SPACE.relative_to(REPO_ROOT)})")
     p.add_argument("--runs", type=int, default=3, help="measured runs per candidate (default: 3)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up runs per candidate (default: 1)")
@@ -79,7 +92,9 @@ def load_search_space(path: Path) -> dict:
     plans = data.get("builtin_plans", list(REGION_KINDS))
     for plan in plans:
         if plan not in REGION_KINDS:
-            raise ConfigError(f"{path}: builtin_plans: {plan!r} is not allowed; allowed values: {', '.join(REGION_KINDS)}")
+            raise ConfigError(
+                f"{path}: builtin_plans: {plan!r} is not allowed; allowed values: {', '.join(REGION_KINDS)}"
+            )
     variants = data.get("option_variants") or {}
     for kind, opts in variants.items():
         if kind not in ("npu", "cuda", "cpu"):
@@ -96,8 +111,13 @@ def load_search_space(path: Path) -> dict:
         names.add(c["name"])
         for j, sc in enumerate(c["scopes"]):
             where = f"{path}: custom[{i}].scopes[{j}]"
-            if (not isinstance(sc, dict) or set(sc) - {"regions", "label", "options"} or not sc.get("regions")
-                    or not all(isinstance(r, str) for r in sc["regions"]) or not isinstance(sc.get("label"), str)):
+            if (
+                not isinstance(sc, dict)
+                or set(sc) - {"regions", "label", "options"}
+                or not sc.get("regions")
+                or not all(isinstance(r, str) for r in sc["regions"])
+                or not isinstance(sc.get("label"), str)
+            ):
                 raise ConfigError(f"{where}: {shape}")
             parse_options(sc.get("options") or "", key=f"{where}.options")
     return {"builtin_plans": plans, "option_variants": variants, "custom": data.get("custom") or []}
@@ -115,18 +135,29 @@ def candidates(regions, space: dict, platform_kind: str, base_options: str, mode
             skipped.append({"name": plan, "reason": str(exc)})
             continue
         for opt in variants:
-            cands.append({"name": plan if opt is None else f"{plan}[{opt}]", "kind": "builtin",
-                          "superkernel": {"plan": plan, "options": base_options if opt is None else opt}})
+            cands.append(
+                {
+                    "name": plan if opt is None else f"{plan}[{opt}]",
+                    "kind": "builtin",
+                    "superkernel": {"plan": plan, "options": base_options if opt is None else opt},
+                }
+            )
     for c in space["custom"]:
-        scopes = [{"regions": list(s["regions"]), "label": s["label"], "options": s.get("options", "")}
-                  for s in c["scopes"]]
+        scopes = [
+            {"regions": list(s["regions"]), "label": s["label"], "options": s.get("options", "")} for s in c["scopes"]
+        ]
         names = [r.name for r in regions]
         unmatched = [p for s in scopes for p in s["regions"] if not fnmatch.filter(names, p)]
         if unmatched:  # a layout for other models; anything else wrong with it fails as a candidate
             skipped.append({"name": c["name"], "reason": f"{', '.join(unmatched)} match(es) no region of {model}"})
             continue
-        cands.append({"name": c["name"], "kind": "custom",
-                      "superkernel": {"plan": "custom", "options": base_options, "custom": scopes}})
+        cands.append(
+            {
+                "name": c["name"],
+                "kind": "custom",
+                "superkernel": {"plan": "custom", "options": base_options, "custom": scopes},
+            }
+        )
     return cands, skipped
 
 
@@ -147,8 +178,11 @@ def _out_dir(args) -> Path:
         return Path(args.out).resolve()
     res = REPO_ROOT / "models" / args.model / "res"
     if args.resume:
-        unfinished = [p.parent for p in sorted(res.glob(f"*/scope_search_*/{STATUS}"), key=os.path.getmtime)
-                      if json.loads(p.read_text()).get("state") != "complete"]
+        unfinished = [
+            p.parent
+            for p in sorted(res.glob(f"*/scope_search_*/{STATUS}"), key=os.path.getmtime)
+            if json.loads(p.read_text()).get("state") != "complete"
+        ]
         if not unfinished:
             raise ConfigError(f"--resume: no unfinished search under {res}")
         return unfinished[-1]
@@ -167,8 +201,14 @@ def _open_status(out: Path, signature: dict, progress) -> dict:
         progress(f"resuming {out}: {done} of {len(status['candidates'])} candidate(s) already finished")
         return status
     out.mkdir(parents=True, exist_ok=True)
-    return {"tool": "scope_search", "signature": signature, "state": "running", "candidates": {}, "skipped": [],
-            "started": datetime.datetime.now().isoformat(timespec="seconds")}
+    return {
+        "tool": "scope_search",
+        "signature": signature,
+        "state": "running",
+        "candidates": {},
+        "skipped": [],
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
 
 
 # ----------------------------------------------------------------------------- one candidate
@@ -184,14 +224,23 @@ def run_candidate(ctx: dict, cand: dict, rec: dict, position: str) -> None:
         progress(f"{position} {name}: compile + accuracy check vs eager ({ctx['tokens']} tokens) ...")
         gen, _, _ = measure.generate_in_process(ctx["runner"], ccfg, ctx["platform"], ctx["tokens"], ctx["prompts"])
         acc = rec["accuracy"] = measure.check_accuracy(ctx["ref"], gen, ctx["tokens"], ctx["cosine_min"])
-        progress(f"{position} {name}: accuracy {'ok' if acc['passed'] else 'REJECTED'} ({acc['reason']}; "
-                 f"cosine {acc['cosine_last_step']:.6f})")
+        progress(
+            f"{position} {name}: accuracy {'ok' if acc['passed'] else 'REJECTED'} ({acc['reason']}; "
+            f"cosine {acc['cosine_last_step']:.6f})"
+        )
         if not acc["passed"]:
             rec.update(status="rejected", reason=f"accuracy: {acc['reason']}")
             return
         side = measure.Side(_safe(name), copy, tuple(ctx["overrides"]))
-        runs = measure.measure(ctx["model"], [side], ctx["runs"], ctx["warmup"], out / "logs", progress,
-                               ctx["cfg"].scheduler_config.batch_size)[side.name]
+        runs = measure.measure(
+            ctx["model"],
+            [side],
+            ctx["runs"],
+            ctx["warmup"],
+            out / "logs",
+            progress,
+            ctx["cfg"].scheduler_config.batch_size,
+        )[side.name]
         rec["runs"] = [r.row() for r in runs]
         rec["summary"] = summary = measure.summarise(runs)
         if summary["step_ms"] is None:
@@ -208,8 +257,10 @@ def run_candidate(ctx: dict, cand: dict, rec: dict, position: str) -> None:
         (out / "candidates" / f"{_safe(name)}.error.txt").write_text(traceback.format_exc())
     finally:
         rec["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
-        progress(f"{position} {name}: {rec['status']}"
-                 + (f", {rec['summary']['step_ms']:.3f} ms/step" if rec["status"] == "done" else f" ({rec.get('reason')})"))
+        progress(
+            f"{position} {name}: {rec['status']}"
+            + (f", {rec['summary']['step_ms']:.3f} ms/step" if rec["status"] == "done" else f" ({rec.get('reason')})")
+        )
 
 
 # ----------------------------------------------------------------------------- main
@@ -231,32 +282,63 @@ def main(argv: list[str] | None = None) -> int:
     out = _out_dir(args)
     progress = measure.Progress("scope_search")
     # What makes two searches the same one: resuming across a change of any of these would mix results.
-    signature = {"model": args.model, "config": str(config), "overrides": args.overrides,
-                 "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest(),
-                 "search_space_sha256": hashlib.sha256(space_path.read_bytes()).hexdigest(), "runs": args.runs,
-                 "warmup": args.warmup, "check_tokens": tokens, "cosine_min": cosine_min, "platform": platform.kind}
+    signature = {
+        "model": args.model,
+        "config": str(config),
+        "overrides": args.overrides,
+        "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest(),
+        "search_space_sha256": hashlib.sha256(space_path.read_bytes()).hexdigest(),
+        "runs": args.runs,
+        "warmup": args.warmup,
+        "check_tokens": tokens,
+        "cosine_min": cosine_min,
+        "platform": platform.kind,
+    }
     status = _open_status(out, signature, progress)
     status["state"] = "running"
     budget_s = None if args.max_minutes is None else args.max_minutes * 60
     with measure.sigterm_as_interrupt():
         try:
             progress(f"eager reference: {tokens} greedy tokens on the config's prompts ...")
-            eager = load_config(config, [*args.overrides, "model_config.exe_mode=eager",
-                                         "model_config.superkernel.enable=false", "model_config.enable_cache_compile=false"])
+            eager = load_config(
+                config,
+                [
+                    *args.overrides,
+                    "model_config.exe_mode=eager",
+                    "model_config.superkernel.enable=false",
+                    "model_config.enable_cache_compile=false",
+                ],
+            )
             ref, regions, prompts = measure.generate_in_process(runner, eager, platform, tokens)
-            cands, status["skipped"] = candidates(regions, space, platform.kind, cfg.model_config.superkernel.options,
-                                                  cfg.model_config.model_name)
+            cands, status["skipped"] = candidates(
+                regions, space, platform.kind, cfg.model_config.superkernel.options, cfg.model_config.model_name
+            )
             for c in cands:
                 rec = status["candidates"].setdefault(c["name"], {"status": "pending"})
                 rec.update(kind=c["kind"], superkernel=c["superkernel"])
                 if rec["status"] not in FINAL:
                     rec["status"] = "pending"
             _save(out, status)
-            progress(f"{len(cands)} candidate(s): {', '.join(c['name'] for c in cands)}; not applicable: "
-                     f"{', '.join(s['name'] for s in status['skipped']) or 'none'}; status in {out / STATUS}")
-            ctx = {"out": out, "progress": progress, "cfg": cfg, "config": config, "overrides": args.overrides,
-                   "runner": runner, "platform": platform, "tokens": tokens, "prompts": prompts, "ref": ref,
-                   "cosine_min": cosine_min, "model": args.model, "runs": args.runs, "warmup": args.warmup}
+            progress(
+                f"{len(cands)} candidate(s): {', '.join(c['name'] for c in cands)}; not applicable: "
+                f"{', '.join(s['name'] for s in status['skipped']) or 'none'}; status in {out / STATUS}"
+            )
+            ctx = {
+                "out": out,
+                "progress": progress,
+                "cfg": cfg,
+                "config": config,
+                "overrides": args.overrides,
+                "runner": runner,
+                "platform": platform,
+                "tokens": tokens,
+                "prompts": prompts,
+                "ref": ref,
+                "cosine_min": cosine_min,
+                "model": args.model,
+                "runs": args.runs,
+                "warmup": args.warmup,
+            }
             status["state"] = "complete"
             for i, c in enumerate(cands, 1):
                 rec = status["candidates"][c["name"]]
@@ -281,14 +363,18 @@ def main(argv: list[str] | None = None) -> int:
 def rank(status: dict) -> tuple[list[tuple[str, dict]], dict | None]:
     """Measured candidates fastest first, with speedups; the winner is the fastest SuperKernel one."""
     recs = status["candidates"]
-    ranked = sorted(((n, r) for n, r in recs.items() if r["status"] == "done"), key=lambda x: x[1]["summary"]["step_ms"])
+    ranked = sorted(
+        ((n, r) for n, r in recs.items() if r["status"] == "done"), key=lambda x: x[1]["summary"]["step_ms"]
+    )
     base = recs.get("baseline", {}).get("summary") if recs.get("baseline", {}).get("status") == "done" else None
     winner = next((n for n, r in ranked if r["kind"] != "baseline"), None)
     win_ms = recs[winner]["summary"]["step_ms"] if winner else None
-    for n, r in ranked:
+    for _n, r in ranked:
         s = r["summary"]
         r["speedup_vs_baseline"] = base["step_ms"] / s["step_ms"] if base else None
-        r["improvement_vs_baseline_percent"] = stats.improvement_percent(base["step_ms"], s["step_ms"]) if base else None
+        r["improvement_vs_baseline_percent"] = (
+            stats.improvement_percent(base["step_ms"], s["step_ms"]) if base else None
+        )
         r["exceeds_noise_vs_baseline"] = stats.exceeds_noise(base["step_ms_runs"], s["step_ms_runs"]) if base else None
         r["winner_speedup_over"] = s["step_ms"] / win_ms if win_ms else None
     return ranked, ({"name": winner, **recs[winner]} if winner else None)
@@ -298,8 +384,10 @@ def finish(args, config: Path, platform, out: Path, status: dict) -> int:
     ranked, winner = rank(status)
     pending = [n for n, r in status["candidates"].items() if r["status"] not in FINAL]
     if status["state"] != "complete" or pending:
-        reason = (f"search unfinished ({status['state']}): {len(pending)} candidate(s) not run "
-                  f"({', '.join(pending)}); rerun with --out {out} to resume")
+        reason = (
+            f"search unfinished ({status['state']}): {len(pending)} candidate(s) not run "
+            f"({', '.join(pending)}); rerun with --out {out} to resume"
+        )
     elif winner is None:
         reason = "no winner: every SuperKernel candidate was rejected, failed or not applicable"
     else:
@@ -313,8 +401,11 @@ def finish(args, config: Path, platform, out: Path, status: dict) -> int:
             print("--apply: nothing written (no winner from a finished search)")
         return 1
     sp = winner.get("speedup_vs_baseline")
-    print(f"scope_search: winner {winner['name']}: {winner['summary']['step_ms']:.3f} ms/step"
-          + (f", {sp:.3f}x vs no-SuperKernel baseline" if sp else "") + f"\nreport: {out / REPORT}")
+    print(
+        f"scope_search: winner {winner['name']}: {winner['summary']['step_ms']:.3f} ms/step"
+        + (f", {sp:.3f}x vs no-SuperKernel baseline" if sp else "")
+        + f"\nreport: {out / REPORT}"
+    )
     if args.apply:
         apply_winner(config, winner)
     return 0
@@ -330,49 +421,98 @@ def write_report(out: Path, args, config: Path, platform, status: dict, ranked, 
     for n in order:
         r, s, a = recs[n], recs[n].get("summary") or {}, recs[n].get("accuracy") or {}
         sk = r.get("superkernel") or {}
-        rows.append({"rank": order.index(n) + 1 if r["status"] == "done" else None, "candidate": n, "kind": r.get("kind"),
-                     "plan": sk.get("plan", "none"), "options": sk.get("options", ""), "status": r["status"],
-                     "step_ms": s.get("step_ms"), "tokens_per_s": s.get("tokens_per_s"), "cv_percent": s.get("cv_percent"),
-                     "stability": s.get("stability"), "speedup_vs_baseline": r.get("speedup_vs_baseline"),
-                     "improvement_vs_baseline_percent": r.get("improvement_vs_baseline_percent"),
-                     "exceeds_noise_vs_baseline": r.get("exceeds_noise_vs_baseline"),
-                     "winner_speedup_over": r.get("winner_speedup_over"), "first_mismatch": a.get("first_mismatch"),
-                     "cosine_last_step": a.get("cosine_last_step"), "reason": r.get("reason")})
+        rows.append(
+            {
+                "rank": order.index(n) + 1 if r["status"] == "done" else None,
+                "candidate": n,
+                "kind": r.get("kind"),
+                "plan": sk.get("plan", "none"),
+                "options": sk.get("options", ""),
+                "status": r["status"],
+                "step_ms": s.get("step_ms"),
+                "tokens_per_s": s.get("tokens_per_s"),
+                "cv_percent": s.get("cv_percent"),
+                "stability": s.get("stability"),
+                "speedup_vs_baseline": r.get("speedup_vs_baseline"),
+                "improvement_vs_baseline_percent": r.get("improvement_vs_baseline_percent"),
+                "exceeds_noise_vs_baseline": r.get("exceeds_noise_vs_baseline"),
+                "winner_speedup_over": r.get("winner_speedup_over"),
+                "first_mismatch": a.get("first_mismatch"),
+                "cosine_last_step": a.get("cosine_last_step"),
+                "reason": r.get("reason"),
+            }
+        )
     table = pd.DataFrame(rows)
     table["rank"] = table["rank"].astype("Int64")  # blank, not NaN, for unranked candidates
     table.to_csv(out / CSV, index=False)
-    measure.plot_medians(out / CHART, {n: recs[n]["summary"] for n, _ in ranked}, f"{args.model}: SuperKernel candidates")
-    (out / RESULTS).write_text(json.dumps({**status, "ranking": rows, "report": str(out / REPORT)}, indent=2, default=str))
+    measure.plot_medians(
+        out / CHART, {n: recs[n]["summary"] for n, _ in ranked}, f"{args.model}: SuperKernel candidates"
+    )
+    (out / RESULTS).write_text(
+        json.dumps({**status, "ranking": rows, "report": str(out / REPORT)}, indent=2, default=str)
+    )
     portable = platform.kind != "npu"
     head = [f"# SuperKernel scope search: {args.model}", ""]
     if portable:
-        head += [f"> **portable measurement on {platform.kind.upper()}, not an Ascend result** ({platform.describe()}).", ""]
+        head += [
+            f"> **portable measurement on {platform.kind.upper()}, not an Ascend result** ({platform.describe()}).",
+            "",
+        ]
     if winner:
         sp = winner.get("speedup_vs_baseline")
-        head += [f"**Winner: {winner['name']}** ({winner['summary']['step_ms']:.3f} ms/step"
-                 + (f", {sp:.3f}x vs the no-SuperKernel baseline, beyond noise: "
-                    f"{'yes' if winner['exceeds_noise_vs_baseline'] else 'no'}" if sp else "") + ")."]
+        head += [
+            f"**Winner: {winner['name']}** ({winner['summary']['step_ms']:.3f} ms/step"
+            + (
+                f", {sp:.3f}x vs the no-SuperKernel baseline, beyond noise: "
+                f"{'yes' if winner['exceeds_noise_vs_baseline'] else 'no'}"
+                if sp
+                else ""
+            )
+            + ")."
+        ]
         head += [f"- vs {n}: {r['winner_speedup_over']:.3f}x" for n, r in ranked if n != winner["name"]]
-    head += ["", f"Result: {reason}" if reason else "Result: search complete.", "",
-             "## Setup", "", f"- config `{config}` (read only{'; --apply writes it' if args.apply else ''}), "
-             f"overrides {', '.join(f'`{o}`' for o in sig['overrides']) or 'none'}",
-             f"- platform {platform.describe()}; {sig['warmup']} warm-up + {sig['runs']} measured run(s) per candidate "
-             "(tools/measure.py, the sk_compare measurement)",
-             f"- accuracy vs the eager run on the same prompts: first {sig['check_tokens']} greedy tokens identical and "
-             f"logits cosine >= {sig['cosine_min']}", f"- started {status.get('started')}, updated {status.get('updated')}",
-             "", "## Candidates", "",
-             "| rank | candidate | plan | options | status | ms/step | tokens/s | CV | vs baseline "
-             "| winner's speedup over it | cosine | note |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    head += [f"| {r['rank'] or '-'} | {r['candidate']} | {r['plan']} | {r['options'] or '-'} | {r['status']} | "
-             f"{fmt(r['step_ms'])} | {fmt(r['tokens_per_s'], '.1f')} | {fmt(r['cv_percent'], '.1f', '%')} | "
-             f"{fmt(r['speedup_vs_baseline'], '.3f', 'x')} | {fmt(r['winner_speedup_over'], '.3f', 'x')} | "
-             f"{fmt(r['cosine_last_step'], '.6f')} | {r['reason'] or ''} |" for r in rows]
+    head += [
+        "",
+        f"Result: {reason}" if reason else "Result: search complete.",
+        "",
+        "## Setup",
+        "",
+        f"- config `{config}` (read only{'; --apply writes it' if args.apply else ''}), "
+        f"overrides {', '.join(f'`{o}`' for o in sig['overrides']) or 'none'}",
+        f"- platform {platform.describe()}; {sig['warmup']} warm-up + {sig['runs']} measured run(s) per candidate "
+        "(tools/measure.py, the sk_compare measurement)",
+        f"- accuracy vs the eager run on the same prompts: first {sig['check_tokens']} greedy tokens identical and "
+        f"logits cosine >= {sig['cosine_min']}",
+        f"- started {status.get('started')}, updated {status.get('updated')}",
+        "",
+        "## Candidates",
+        "",
+        "| rank | candidate | plan | options | status | ms/step | tokens/s | CV | vs baseline "
+        "| winner's speedup over it | cosine | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    head += [
+        f"| {r['rank'] or '-'} | {r['candidate']} | {r['plan']} | {r['options'] or '-'} | {r['status']} | "
+        f"{fmt(r['step_ms'])} | {fmt(r['tokens_per_s'], '.1f')} | {fmt(r['cv_percent'], '.1f', '%')} | "
+        f"{fmt(r['speedup_vs_baseline'], '.3f', 'x')} | {fmt(r['winner_speedup_over'], '.3f', 'x')} | "
+        f"{fmt(r['cosine_last_step'], '.6f')} | {r['reason'] or ''} |"
+        for r in rows
+    ]
     head += ["", "Not applicable to this model:", ""] + [f"- {s['name']}: {s['reason']}" for s in status["skipped"]]
-    head += ["", f"![median ms/step per candidate]({CHART})", "", "## Reproduce / resume / apply", "", "```",
-             f"python tools/scope_search.py --model {args.model} --config {config}"
-             + "".join(f" --set {o}" for o in sig["overrides"]) + f" --runs {sig['runs']} --warmup {sig['warmup']}"
-             + f" --out {out}  # same --out resumes; add --apply to write the winner", "```", ""]
+    head += [
+        "",
+        f"![median ms/step per candidate]({CHART})",
+        "",
+        "## Reproduce / resume / apply",
+        "",
+        "```",
+        f"python tools/scope_search.py --model {args.model} --config {config}"
+        + "".join(f" --set {o}" for o in sig["overrides"])
+        + f" --runs {sig['runs']} --warmup {sig['warmup']}"
+        + f" --out {out}  # same --out resumes; add --apply to write the winner",
+        "```",
+        "",
+    ]
     (out / REPORT).write_text("\n".join(head))
 
 
@@ -383,8 +523,11 @@ def apply_winner(config: Path, winner: dict) -> None:
     if sk["plan"] == "custom":
         wanted["custom"] = sk["custom"]
     # Only keys whose value changes, so the diff shows exactly what the search decided.
-    changes = {f"model_config.superkernel.{k}": v for k, v in wanted.items()
-               if k == "custom" or getattr(current.superkernel, k) != v}
+    changes = {
+        f"model_config.superkernel.{k}": v
+        for k, v in wanted.items()
+        if k == "custom" or getattr(current.superkernel, k) != v
+    }
     if current.exe_mode == "eager":
         changes["model_config.exe_mode"] = "ge_graph"
     if winner.get("exceeds_noise_vs_baseline") is not None and (winner.get("improvement_vs_baseline_percent") or 0) < 0:
@@ -395,4 +538,5 @@ def apply_winner(config: Path, winner: dict) -> None:
 
 if __name__ == "__main__":  # the repo root is on sys.path (top of this file)
     from executor.cli import main as cli_main
+
     sys.exit(cli_main(["search", *sys.argv[1:]]))

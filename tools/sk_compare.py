@@ -10,6 +10,7 @@ directory, so the user's config is only ever read: nothing to restore after Ctrl
 a killed process. `--from-logs` parses existing logs (e.g. from an Atlas A3 run of upstream
 cann-recipes-infer) and `--cmd-baseline/--cmd-optimized` run any command whose stdout is a log.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,22 +42,33 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python tools/sk_compare.py",
         description="Measure decode latency with SuperKernel off (baseline) and on (optimized), same config "
-                    "otherwise, and write superkernel_optimization_report.md + results.json + runs.csv + plots.",
+        "otherwise, and write superkernel_optimization_report.md + results.json + runs.csv + plots.",
         epilog="examples:\n  python tools/sk_compare.py --model qwen\n"
-               "  python tools/sk_compare.py --model qwen --plan decoder --runs 5 --set scheduler_config.max_new_tokens=64\n"
-               "  python tools/sk_compare.py --model qwen --from-logs base.log opt.log\n"
-               "exit codes: 0 report written, 1 a side had no successful run, 2 bad input, 130 interrupted",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        "  python tools/sk_compare.py --model qwen --plan decoder --runs 5 --set scheduler_config.max_new_tokens=64\n"
+        "  python tools/sk_compare.py --model qwen --from-logs base.log opt.log\n"
+        "exit codes: 0 report written, 1 a side had no successful run, 2 bad input, 130 interrupted",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", default="qwen", help="recipe directory under models/ (default: qwen)")
     p.add_argument("--config", help="recipe YAML, only read (default: models/<model>/config.yaml)")
     p.add_argument("--runs", type=int, default=3, help="measured runs per side, alternating (default: 3)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up runs per side, not measured (default: 1)")
     p.add_argument("--plan", help="SuperKernel plan of the optimized side (default: the config's plan)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override for both sides (repeatable), e.g. scheduler_config.max_new_tokens=64")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for both sides (repeatable), e.g. scheduler_config.max_new_tokens=64",
+    )
     p.add_argument("--out", help="output directory (default: models/<model>/res/<date>/sk_compare_<time>/)")
-    p.add_argument("--cmd-baseline", metavar="CMD", help="shell command run instead of infer.sh for the baseline; "
-                                                        "its stdout is the log (env SK_SIDE, SK_RUN, SK_OUT are set)")
+    p.add_argument(
+        "--cmd-baseline",
+        metavar="CMD",
+        help="shell command run instead of infer.sh for the baseline; "
+        "its stdout is the log (env SK_SIDE, SK_RUN, SK_OUT are set)",
+    )
     p.add_argument("--cmd-optimized", metavar="CMD", help="same for the optimized side")
     p.add_argument("--from-logs", nargs=2, metavar=("BASE.log", "OPT.log"), help="only parse two existing logs")
     p.add_argument("--require-a3", action="store_true", help="exit 2 before running unless this is an Atlas A3")
@@ -79,14 +91,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.require_a3 and not platform.is_a3:
         raise PlatformError(f"--require-a3: this machine is {platform.describe()}, not an Atlas A3 ({platform.reason})")
     now = datetime.datetime.now()
-    out = (Path(args.out) if args.out else
-           REPO_ROOT / "models" / args.model / "res" / f"{now:%Y-%m-%d}" / f"sk_compare_{now:%H%M%S}").resolve()
+    out = (
+        Path(args.out)
+        if args.out
+        else REPO_ROOT / "models" / args.model / "res" / f"{now:%Y-%m-%d}" / f"sk_compare_{now:%H%M%S}"
+    ).resolve()
     out.mkdir(parents=True, exist_ok=True)
     progress = measure.Progress("sk_compare")
     notes: dict[str, list[str]] = {}
     if args.from_logs:
-        results = {name: [_from_log(name, Path(path), cfg.scheduler_config.batch_size)]
-                   for name, path in zip(SIDES, args.from_logs)}
+        results = {
+            name: [_from_log(name, Path(path), cfg.scheduler_config.batch_size)]
+            for name, path in zip(SIDES, args.from_logs)
+        }
     else:
         sides = []
         for name, cmd in zip(SIDES, (args.cmd_baseline, args.cmd_optimized)):
@@ -95,11 +112,13 @@ def main(argv: list[str] | None = None) -> int:
             copy = out / f"{name}.yaml"
             measure.write_side_config(config, copy, changes, args.overrides)  # validates before any run
             sides.append(Side(name, copy, tuple(args.overrides), cmd))
-        progress(f"{args.model}: {args.warmup} warm-up + {args.runs} measured run(s) per side, alternating; "
-                 f"output in {out}")
+        progress(
+            f"{args.model}: {args.warmup} warm-up + {args.runs} measured run(s) per side, alternating; output in {out}"
+        )
         with measure.sigterm_as_interrupt():
-            results = measure.measure(args.model, sides, args.runs, args.warmup, out, progress,
-                                      cfg.scheduler_config.batch_size, args.verbose)
+            results = measure.measure(
+                args.model, sides, args.runs, args.warmup, out, progress, cfg.scheduler_config.batch_size, args.verbose
+            )
     return _report(args, cfg, config, platform, out, results, notes, now)
 
 
@@ -125,7 +144,11 @@ def checklist(cfg, platform: Platform, results: dict[str, list[RunResult]], exte
 
     modes = sorted({m["exe_mode"] for m in every})
     if modes:
-        add("exe_mode is ge_graph", "PASS" if modes == ["ge_graph"] else "FAIL", f"runs used exe_mode {', '.join(modes)}")
+        add(
+            "exe_mode is ge_graph",
+            "PASS" if modes == ["ge_graph"] else "FAIL",
+            f"runs used exe_mode {', '.join(modes)}",
+        )
     else:
         add("exe_mode is ge_graph", "WARN", "no metrics.json: the logs do not say which exe_mode ran")
     if external and not every:
@@ -133,32 +156,50 @@ def checklist(cfg, platform: Platform, results: dict[str, list[RunResult]], exte
     elif platform.is_a3:
         add("hardware is Atlas A3", "PASS", platform.reason)
     else:
-        add("hardware is Atlas A3", "FAIL" if platform.kind == "npu" else "WARN",
-            f"{platform.describe()}: portable measurement, not an Ascend result ({platform.reason})")
+        add(
+            "hardware is Atlas A3",
+            "FAIL" if platform.kind == "npu" else "WARN",
+            f"{platform.describe()}: portable measurement, not an Ascend result ({platform.reason})",
+        )
     v = (every[0].get("versions") if every else None) or software_versions()
     shown = ", ".join(f"{k} {v.get(k) or 'absent'}" for k in ("torch", "torch_npu", "cann"))
     add("framework is PyTorch", "FAIL" if platform.kind == "npu" and not v.get("torch_npu") else "PASS", shown)
     if every:
-        add("prefill and decode are separate", "PASS",
-            "this project's runner: prefill runs eagerly outside any scope, only the decode step is compiled")
+        add(
+            "prefill and decode are separate",
+            "PASS",
+            "this project's runner: prefill runs eagerly outside any scope, only the decode step is compiled",
+        )
     else:
         has = [r.prefill_ms is not None for side in SIDES for r in results[side] if r.ok]
-        add("prefill and decode are separate", "PASS" if has and all(has) else "WARN",
-            "the logs have a prefill line apart from the per-step decode lines" if has and all(has)
-            else "a log has no prefill line, so prefill may be mixed into the decode timing")
+        add(
+            "prefill and decode are separate",
+            "PASS" if has and all(has) else "WARN",
+            "the logs have a prefill line apart from the per-step decode lines"
+            if has and all(has)
+            else "a log has no prefill line, so prefill may be mixed into the decode timing",
+        )
     if opt_m:
         regions, scopes = opt_m[0].get("regions") or [], opt_m[0]["superkernel"]["scopes"]
-        add("model declares regions and the plan marks at least one", "PASS" if regions and scopes else "FAIL",
-            f"{len(regions)} regions declared; plan {opt_m[0]['superkernel']['plan']} marks {len(scopes)}")
+        add(
+            "model declares regions and the plan marks at least one",
+            "PASS" if regions and scopes else "FAIL",
+            f"{len(regions)} regions declared; plan {opt_m[0]['superkernel']['plan']} marks {len(scopes)}",
+        )
         ran = [m["superkernel"]["ran"] for m in opt_m]
         base_ran = [m["superkernel"]["ran"] for m in base_m]
         ok = all(ran) and not any(base_ran)
-        add("SuperKernel really ran in the optimized runs", "PASS" if ok else "FAIL",
+        add(
+            "SuperKernel really ran in the optimized runs",
+            "PASS" if ok else "FAIL",
             f"superkernel.ran in metrics.json: optimized {sum(ran)}/{len(ran)} runs, "
-            f"baseline {sum(base_ran)}/{len(base_ran)}")
+            f"baseline {sum(base_ran)}/{len(base_ran)}",
+        )
     else:
-        for item in ("model declares regions and the plan marks at least one",
-                     "SuperKernel really ran in the optimized runs"):
+        for item in (
+            "model declares regions and the plan marks at least one",
+            "SuperKernel really ran in the optimized runs",
+        ):
             add(item, "WARN", "no metrics.json from a successful optimized run")
     return items
 
@@ -172,11 +213,15 @@ def conclusion(cmp: dict, plan: str, portable: bool) -> str:
         return f"No comparison: every run of {', '.join(failed)} failed (see Runs)."
     imp = cmp["latency_improvement_percent"]
     if not cmp["exceeds_noise"]:
-        return (f"SuperKernel plan {plan}: {imp:+.1f}% decode latency, which does not exceed the run-to-run noise{where}; "
-                "add runs (--runs 5) or a longer decode before drawing a conclusion.")
+        return (
+            f"SuperKernel plan {plan}: {imp:+.1f}% decode latency, which does not exceed the run-to-run noise{where}; "
+            "add runs (--runs 5) or a longer decode before drawing a conclusion."
+        )
     verb = "reduces" if imp > 0 else "increases"
-    return (f"SuperKernel plan {plan} {verb} decode latency from {sb['step_ms']:.3f} to {so['step_ms']:.3f} ms/step "
-            f"({abs(imp):.1f}%, beyond run-to-run noise){where}.")
+    return (
+        f"SuperKernel plan {plan} {verb} decode latency from {sb['step_ms']:.3f} to {so['step_ms']:.3f} ms/step "
+        f"({abs(imp):.1f}%, beyond run-to-run noise){where}."
+    )
 
 
 @dataclass
@@ -201,46 +246,112 @@ class Report:
 
     def repro(self) -> str:
         a = self.args
-        parts = ["python", "tools/sk_compare.py", "--model", a.model, "--config", str(self.config),
-                 "--runs", str(a.runs), "--warmup", str(a.warmup)] + (["--plan", a.plan] if a.plan else [])
+        parts = [
+            "python",
+            "tools/sk_compare.py",
+            "--model",
+            a.model,
+            "--config",
+            str(self.config),
+            "--runs",
+            str(a.runs),
+            "--warmup",
+            str(a.warmup),
+        ] + (["--plan", a.plan] if a.plan else [])
         parts += [x for item in a.overrides for x in ("--set", item)]
-        parts += [x for flag, cmd in (("--cmd-baseline", a.cmd_baseline), ("--cmd-optimized", a.cmd_optimized))
-                  if cmd for x in (flag, cmd)]
+        parts += [
+            x
+            for flag, cmd in (("--cmd-baseline", a.cmd_baseline), ("--cmd-optimized", a.cmd_optimized))
+            if cmd
+            for x in (flag, cmd)
+        ]
         return " ".join(shlex.quote(p) for p in parts + (["--from-logs", *a.from_logs] if a.from_logs else []))
 
 
-def _report(args, cfg, config: Path, platform: Platform, out: Path, results: dict[str, list[RunResult]],
-            notes: dict[str, list[str]], when: datetime.datetime) -> int:
+def _report(
+    args,
+    cfg,
+    config: Path,
+    platform: Platform,
+    out: Path,
+    results: dict[str, list[RunResult]],
+    notes: dict[str, list[str]],
+    when: datetime.datetime,
+) -> int:
     cmp = measure.compare(results["baseline"], results["optimized"])
     opt_m = _metrics(results["optimized"])
     any_m = _metrics(results["baseline"]) + opt_m
     ran_on = any_m[0]["platform"] if any_m else (None if args.from_logs else platform.kind)
     portable = ran_on not in ("npu", None)
-    plan = (opt_m[0]["superkernel"]["plan"] if opt_m else args.plan or
-            ("(not recorded)" if args.from_logs else cfg.model_config.superkernel.plan))
+    plan = (
+        opt_m[0]["superkernel"]["plan"]
+        if opt_m
+        else args.plan or ("(not recorded)" if args.from_logs else cfg.model_config.superkernel.plan)
+    )
     checks = checklist(cfg, platform, results, bool(args.from_logs or (args.cmd_baseline and args.cmd_optimized)))
     rows = [r.row() for side in SIDES for r in results[side]]
     pd.DataFrame(rows).to_csv(out / "runs.csv", index=False)
-    plots = {"steps": measure.plot_steps(out / "decode_step_latency.png", results,
-                                         f"{args.model}: decode step latency").name,
-             "medians": measure.plot_medians(out / "decode_latency_runs.png", {s: cmp[s] for s in SIDES},
-                                             f"{args.model}: decode ms/step").name}
-    header = (f"portable measurement on {ran_on.upper()}, not an Ascend result" if portable else
-              "parsed from existing logs; the logs do not record the platform that produced them" if ran_on is None
-              else f"Ascend measurement on {platform.describe()}")
-    rep = Report(args, cfg, config, platform, out, results, cmp, checks, conclusion(cmp, plan, portable), header,
-                 plan, opt_m[0] if opt_m else None, plots, notes, when)
-    result = {"tool": "sk_compare", "model": args.model, "date": when.isoformat(timespec="seconds"),
-              "header": header, "portable": portable, "platform": ran_on, "this_machine": platform.describe(),
-              "config": str(config), "overrides": args.overrides, "plan": plan, "runs": args.runs,
-              "warmup": args.warmup, "from_logs": args.from_logs, "summary": cmp, "checklist": checks,
-              "conclusion": rep.conclusion, "runs_detail": rows, "plots": plots, "reproduce": rep.repro(),
-              "config_changes": notes}
+    plots = {
+        "steps": measure.plot_steps(
+            out / "decode_step_latency.png", results, f"{args.model}: decode step latency"
+        ).name,
+        "medians": measure.plot_medians(
+            out / "decode_latency_runs.png", {s: cmp[s] for s in SIDES}, f"{args.model}: decode ms/step"
+        ).name,
+    }
+    header = (
+        f"portable measurement on {ran_on.upper()}, not an Ascend result"
+        if portable
+        else "parsed from existing logs; the logs do not record the platform that produced them"
+        if ran_on is None
+        else f"Ascend measurement on {platform.describe()}"
+    )
+    rep = Report(
+        args,
+        cfg,
+        config,
+        platform,
+        out,
+        results,
+        cmp,
+        checks,
+        conclusion(cmp, plan, portable),
+        header,
+        plan,
+        opt_m[0] if opt_m else None,
+        plots,
+        notes,
+        when,
+    )
+    result = {
+        "tool": "sk_compare",
+        "model": args.model,
+        "date": when.isoformat(timespec="seconds"),
+        "header": header,
+        "portable": portable,
+        "platform": ran_on,
+        "this_machine": platform.describe(),
+        "config": str(config),
+        "overrides": args.overrides,
+        "plan": plan,
+        "runs": args.runs,
+        "warmup": args.warmup,
+        "from_logs": args.from_logs,
+        "summary": cmp,
+        "checklist": checks,
+        "conclusion": rep.conclusion,
+        "runs_detail": rows,
+        "plots": plots,
+        "reproduce": rep.repro(),
+        "config_changes": notes,
+    }
     (out / "results.json").write_text(json.dumps(result, indent=2, default=str))
     (out / REPORT).write_text(render(rep))
-    print(f"{header}\nbaseline {_f(cmp['baseline']['step_ms'])} ms/step, optimized {_f(cmp['optimized']['step_ms'])} "
-          f"ms/step, improvement {_f(cmp['latency_improvement_percent'], '+.1f', '%')}\n{rep.conclusion}\n"
-          f"report: {out / REPORT}")
+    print(
+        f"{header}\nbaseline {_f(cmp['baseline']['step_ms'])} ms/step, optimized {_f(cmp['optimized']['step_ms'])} "
+        f"ms/step, improvement {_f(cmp['latency_improvement_percent'], '+.1f', '%')}\n{rep.conclusion}\n"
+        f"report: {out / REPORT}"
+    )
     return 0 if cmp["speedup"] is not None else 1
 
 
@@ -253,35 +364,64 @@ def _model_and_scope(r: Report) -> list[str]:
     options = m0.get("superkernel", {}).get("options") or mc.superkernel.options or "-"
     if r.args.from_logs:
         names = sorted({x.model_name or "?" for s in SIDES for x in r.results[s] if x.ok})
-        model = [f"- as named in the logs: {', '.join(names) or 'n/a'} (recipe argument `{r.args.model}`); weights, "
-                 "dtype and batch are whatever the run that wrote the logs used"]
+        model = [
+            f"- as named in the logs: {', '.join(names) or 'n/a'} (recipe argument `{r.args.model}`); weights, "
+            "dtype and batch are whatever the run that wrote the logs used"
+        ]
         options = "(not recorded)"
     else:
-        model = [f"- recipe `{r.args.model}`, model_name `{mc.model_name}`"
-                 + (f", {m0['model_type']} from {source}" if m0 else ""),
-                 f"- weights: {weights}, dtype {mc.dtype}",
-                 f"- batch size {r.cfg.scheduler_config.batch_size}, max_new_tokens "
-                 f"{r.cfg.scheduler_config.max_new_tokens}, {len(r.cfg.data_config.prompts)} prompt(s)"]
-    return ["## Model", "", *model, "",
-            "## Scope strategy", "", f"- plan **{r.plan}**, options `{options}`",
-            f"- {len(scopes)} scope(s): {shown}" if scopes else "- scopes: not recorded (no metrics.json)", "",
-            "## Date", "", r.when.strftime("%Y-%m-%d %H:%M:%S"), ""]
+        model = [
+            f"- recipe `{r.args.model}`, model_name `{mc.model_name}`"
+            + (f", {m0['model_type']} from {source}" if m0 else ""),
+            f"- weights: {weights}, dtype {mc.dtype}",
+            f"- batch size {r.cfg.scheduler_config.batch_size}, max_new_tokens "
+            f"{r.cfg.scheduler_config.max_new_tokens}, {len(r.cfg.data_config.prompts)} prompt(s)",
+        ]
+    return [
+        "## Model",
+        "",
+        *model,
+        "",
+        "## Scope strategy",
+        "",
+        f"- plan **{r.plan}**, options `{options}`",
+        f"- {len(scopes)} scope(s): {shown}" if scopes else "- scopes: not recorded (no metrics.json)",
+        "",
+        "## Date",
+        "",
+        r.when.strftime("%Y-%m-%d %H:%M:%S"),
+        "",
+    ]
 
 
 def _changes(r: Report) -> list[str]:
-    lines = ["## Config changes", "", f"Parsed existing logs {r.args.from_logs[0]} and {r.args.from_logs[1]}; nothing ran."
-             if r.args.from_logs else f"The user's config `{r.config}` is only read; each side runs a copy.", ""]
+    lines = [
+        "## Config changes",
+        "",
+        f"Parsed existing logs {r.args.from_logs[0]} and {r.args.from_logs[1]}; nothing ran."
+        if r.args.from_logs
+        else f"The user's config `{r.config}` is only read; each side runs a copy.",
+        "",
+    ]
     lines += [f"- {side}: " + ("; ".join(r.notes.get(side, [])) or "external command/log") for side in SIDES]
     if not r.args.from_logs:
         b, o = ((r.out / f"{s}.yaml").read_text() for s in SIDES)
-        lines += ["", "```diff", unified_diff(b, o, "baseline.yaml", "optimized.yaml").rstrip() or "(no difference)", "```"]
+        lines += [
+            "",
+            "```diff",
+            unified_diff(b, o, "baseline.yaml", "optimized.yaml").rstrip() or "(no difference)",
+            "```",
+        ]
     if r.args.overrides:
         lines += ["", "Overrides on both sides: " + ", ".join(f"`{o}`" for o in r.args.overrides)]
     lines += ["", "## Code changes", ""]
     if not r.m0:
         return lines + ["Not recorded: the runs wrote no metrics.json.", ""]
-    lines += [f"None in the modeling file: the model declares {len(r.m0.get('regions', []))} scope regions "
-              f"(`with ctx.scopes.region(name)`); plan {r.plan} makes these SuperKernel scopes, in decode only:", ""]
+    lines += [
+        f"None in the modeling file: the model declares {len(r.m0.get('regions', []))} scope regions "
+        f"(`with ctx.scopes.region(name)`); plan {r.plan} makes these SuperKernel scopes, in decode only:",
+        "",
+    ]
     for s in r.m0["superkernel"]["scopes"]:
         detail = f", {s['ops']} ops, {s['segments']} segment(s), {s['launches']} launches" if "ops" in s else ""
         lines.append(f"- `{s.get('region', s['label'])}` -> label `{s['label']}`{detail}")
@@ -293,34 +433,61 @@ def _environment_and_results(r: Report) -> list[str]:
     v = (m0 or {}).get("versions") or software_versions()
     versions = ", ".join(f"{k} {v[k]}" for k in v if v[k])
     if m0:
-        env = [f"- platform: {m0['device_name']} ({m0['platform_reason']})",
-               f"- exe_mode {m0['exe_mode']}, backend {m0['backend']}, dtype {m0['dtype']}", f"- {versions}"]
+        env = [
+            f"- platform: {m0['device_name']} ({m0['platform_reason']})",
+            f"- exe_mode {m0['exe_mode']}, backend {m0['backend']}, dtype {m0['dtype']}",
+            f"- {versions}",
+        ]
     else:
         names = sorted({x.model_name or "?" for s in SIDES for x in r.results[s] if x.ok})
-        env = [f"- platform, exe_mode, backend: not recorded in the logs (this machine: {r.platform.describe()})",
-               f"- model name in the logs: {', '.join(names) or 'n/a'}", f"- this machine: {versions}"]
+        env = [
+            f"- platform, exe_mode, backend: not recorded in the logs (this machine: {r.platform.describe()})",
+            f"- model name in the logs: {', '.join(names) or 'n/a'}",
+            f"- this machine: {versions}",
+        ]
     noise = "n/a" if cmp["exceeds_noise"] is None else "yes" if cmp["exceeds_noise"] else "no"
-    lines = ["## Environment", "", *env, "", "## Results", "",
-             f"Median over {sb['ok_runs']} baseline and {so['ok_runs']} optimized successful run(s) (decode ms/step "
-             "per run after the IQR outlier rule; tokens/s = batch x 1000 / ms/step).", "",
-             "| metric | baseline | optimized | improvement |", "|---|---|---|---|",
-             f"| decode ms/step | {_f(sb['step_ms'])} | {_f(so['step_ms'])} | "
-             f"{_f(cmp['latency_improvement_percent'], '+.1f', '%')} |",
-             f"| tokens/s | {_f(sb.get('tokens_per_s'), '.1f')} | {_f(so.get('tokens_per_s'), '.1f')} | "
-             f"{_f(cmp['throughput_gain_percent'], '+.1f', '%')} |",
-             f"| prefill ms | {_f(sb.get('prefill_ms'), '.2f')} | {_f(so.get('prefill_ms'), '.2f')} | |",
-             f"| peak memory MB | {_f(sb.get('peak_memory_mb'), '.1f')} | {_f(so.get('peak_memory_mb'), '.1f')} | |",
-             f"| run-to-run CV | {_f(sb.get('cv_percent'), '.1f', '%')} {sb.get('stability', '')} | "
-             f"{_f(so.get('cv_percent'), '.1f', '%')} {so.get('stability', '')} | |",
-             f"| failed runs | {sb['failed_runs']} | {so['failed_runs']} | |", "",
-             f"Speedup {_f(cmp['speedup'], '.3f', 'x')}; difference exceeds run-to-run noise: {noise}.", "",
-             "### Runs", "", "| side | run | status | ms/step | tokens/s | prefill ms | log |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "## Environment",
+        "",
+        *env,
+        "",
+        "## Results",
+        "",
+        f"Median over {sb['ok_runs']} baseline and {so['ok_runs']} optimized successful run(s) (decode ms/step "
+        "per run after the IQR outlier rule; tokens/s = batch x 1000 / ms/step).",
+        "",
+        "| metric | baseline | optimized | improvement |",
+        "|---|---|---|---|",
+        f"| decode ms/step | {_f(sb['step_ms'])} | {_f(so['step_ms'])} | "
+        f"{_f(cmp['latency_improvement_percent'], '+.1f', '%')} |",
+        f"| tokens/s | {_f(sb.get('tokens_per_s'), '.1f')} | {_f(so.get('tokens_per_s'), '.1f')} | "
+        f"{_f(cmp['throughput_gain_percent'], '+.1f', '%')} |",
+        f"| prefill ms | {_f(sb.get('prefill_ms'), '.2f')} | {_f(so.get('prefill_ms'), '.2f')} | |",
+        f"| peak memory MB | {_f(sb.get('peak_memory_mb'), '.1f')} | {_f(so.get('peak_memory_mb'), '.1f')} | |",
+        f"| run-to-run CV | {_f(sb.get('cv_percent'), '.1f', '%')} {sb.get('stability', '')} | "
+        f"{_f(so.get('cv_percent'), '.1f', '%')} {so.get('stability', '')} | |",
+        f"| failed runs | {sb['failed_runs']} | {so['failed_runs']} | |",
+        "",
+        f"Speedup {_f(cmp['speedup'], '.3f', 'x')}; difference exceeds run-to-run noise: {noise}.",
+        "",
+        "### Runs",
+        "",
+        "| side | run | status | ms/step | tokens/s | prefill ms | log |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for side in SIDES:
         for x in r.results[side]:
-            lines.append(f"| {side} | {'warm-up' if x.index == 0 else x.index} | {'ok' if x.ok else 'FAILED: ' + x.error} | "
-                         f"{_f(x.step_ms)} | {_f(x.tokens_per_s, '.1f')} | {_f(x.prefill_ms, '.2f')} | {Path(x.log).name} |")
-    return lines + ["", f"![decode step latency]({r.plots['steps']})", "",
-                    f"![median ms/step per side]({r.plots['medians']})", ""]
+            lines.append(
+                f"| {side} | {'warm-up' if x.index == 0 else x.index} | {'ok' if x.ok else 'FAILED: ' + x.error} | "
+                f"{_f(x.step_ms)} | {_f(x.tokens_per_s, '.1f')} | {_f(x.prefill_ms, '.2f')} | {Path(x.log).name} |"
+            )
+    return lines + [
+        "",
+        f"![decode step latency]({r.plots['steps']})",
+        "",
+        f"![median ms/step per side]({r.plots['medians']})",
+        "",
+    ]
 
 
 def render(r: Report) -> str:
@@ -330,11 +497,14 @@ def render(r: Report) -> str:
     lines += [f"| {c['item']} | {c['status']} | {c['reason']} |" for c in r.checks]
     lines += ["", "## Conclusion", "", r.conclusion, "", "## How to reproduce", "", "```", r.repro()]
     if not r.args.from_logs:
-        lines.append(f"# one side by hand: bash infer.sh --model {r.args.model} --config {r.out / 'optimized.yaml'}"
-                     + "".join(f" --set {shlex.quote(o)}" for o in r.args.overrides))
+        lines.append(
+            f"# one side by hand: bash infer.sh --model {r.args.model} --config {r.out / 'optimized.yaml'}"
+            + "".join(f" --set {shlex.quote(o)}" for o in r.args.overrides)
+        )
     return "\n".join(lines + ["```", ""])
 
 
 if __name__ == "__main__":  # the repo root is on sys.path (top of this file)
     from executor.cli import main as cli_main
+
     sys.exit(cli_main(["compare", *sys.argv[1:]]))

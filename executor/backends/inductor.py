@@ -16,13 +16,14 @@ cuts the scope into segments around it, as GE does with unfusable ops. Option
 `strict-scope-check=abort` turns that into an error naming the op and scope; `bypass` runs
 the whole scope unfused with a warning.
 """
+
 from __future__ import annotations
 
 import operator
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
@@ -64,7 +65,7 @@ def _gemv_to_reduction(gm: torch.fx.GraphModule) -> int:
         if max(weight.shape) <= INDUCTOR_DECOMPOSE_MAX_DIM:  # Inductor's own pass does small ones better
             continue
         with gm.graph.inserting_before(node):
-            row = gm.graph.call_method("unsqueeze", (x, -2))                       # (..., 1, K)
+            row = gm.graph.call_method("unsqueeze", (x, -2))  # (..., 1, K)
             out = gm.graph.call_method("sum", (gm.graph.call_function(operator.mul, (row, w)), -1))  # (..., N)
             if bias is not None:
                 out = gm.graph.call_function(operator.add, (out, bias))
@@ -94,8 +95,15 @@ class ScopeStats:
     launches: int = 0  # segment launches executed (proof that the fused path really ran)
 
     def as_dict(self) -> dict:
-        return {"label": self.label, "options": self.options, "ops": self.ops, "segments": self.segments,
-                "unfused": self.unfused, "cut_reasons": self.cut_reasons, "launches": self.launches}
+        return {
+            "label": self.label,
+            "options": self.options,
+            "ops": self.ops,
+            "segments": self.segments,
+            "unfused": self.unfused,
+            "cut_reasons": self.cut_reasons,
+            "launches": self.launches,
+        }
 
 
 @dataclass
@@ -125,8 +133,9 @@ def _op_name(node: torch.fx.Node) -> str:
 class _Segment(torch.nn.Module):
     """One partition of the split graph, compiled on first call with the real inputs."""
 
-    def __init__(self, gm: torch.fx.GraphModule, fused: bool, device: str, stats: ScopeStats | None,
-                 interpreted: bool = False):
+    def __init__(
+        self, gm: torch.fx.GraphModule, fused: bool, device: str, stats: ScopeStats | None, interpreted: bool = False
+    ):
         super().__init__()
         self.gm, self.fused, self.device, self.stats = gm, fused, device, stats
         # A segment holding a data-dependent op runs as the plain FX graph: Inductor cannot
@@ -189,6 +198,7 @@ class InductorBackend:
         self.stats.graphs += 1
         if not self.superkernel:
             from torch._inductor.compile_fx import compile_fx
+
             if self.device == "cpu":
                 _gemv_to_reduction(gm)
             return compile_fx(gm, example_inputs)
@@ -212,7 +222,7 @@ class InductorBackend:
                     label, options = node.args
                     scope = self.stats.scopes.setdefault(label, ScopeStats(label, options))
                     bypass = parse_options(options).get("strict-scope-check") == "bypass"
-                    scope.unfused = scope.unfused or bypass and self._scope_blocked(node)
+                    scope.unfused = scope.unfused or (bypass and self._scope_blocked(node))
                     start(None if scope.unfused else scope)
                 else:
                     scope = None
@@ -227,8 +237,10 @@ class InductorBackend:
                 if reason and not scope.unfused:
                     mode = parse_options(scope.options).get("strict-scope-check")
                     if mode == "abort":
-                        raise ScopeCheckError(f"scope {scope.label!r}: op {_op_name(node)} cannot join a "
-                                              f"SuperKernel ({reason}); strict-scope-check=abort")
+                        raise ScopeCheckError(
+                            f"scope {scope.label!r}: op {_op_name(node)} cannot join a "
+                            f"SuperKernel ({reason}); strict-scope-check=abort"
+                        )
                     if fused[current] is not None:  # consecutive blockers share one unfused cut
                         scope.cut_reasons.append(f"cut at {_op_name(node)}: {reason}")
                         start(None)
@@ -260,8 +272,11 @@ class InductorBackend:
         while node.op != "output" and node.target not in (SCOPE_EXIT, torch.ops.sk.scope_exit):
             reason = _blocker(node)
             if reason:
-                warnings.warn(f"SuperKernel scope {enter.args[0]!r} runs unfused: op {_op_name(node)} "
-                              f"cannot join it ({reason}); strict-scope-check=bypass", stacklevel=2)
+                warnings.warn(
+                    f"SuperKernel scope {enter.args[0]!r} runs unfused: op {_op_name(node)} "
+                    f"cannot join it ({reason}); strict-scope-check=bypass",
+                    stacklevel=2,
+                )
                 return True
             node = node.next
         return False
@@ -287,15 +302,18 @@ class CompiledStep:
             raise
         except torch._dynamo.exc.Unsupported as exc:
             first = str(exc).strip().splitlines()[0]
-            raise GraphBreakError(f"the decode step has a graph break ({first}); exe_mode ge_graph compiles "
-                                  "it as one graph (fullgraph=True), so remove the break or use eager") from None
+            raise GraphBreakError(
+                f"the decode step has a graph break ({first}); exe_mode ge_graph compiles "
+                "it as one graph (fullgraph=True), so remove the break or use eager"
+            ) from None
         if self.backend is not None:
             new = self.backend.stats.graphs - graphs_before
             if self.calls == 0:
                 self.backend.stats.compile_s = time.perf_counter() - t0
                 if self.backend.stats.graphs == 0:  # dynamo gave up (e.g. recompile limit): never run eager silently
-                    raise RuntimeError("the decode step was not compiled (torch._dynamo skipped it); "
-                                       "see TORCH_LOGS=recompiles")
+                    raise RuntimeError(
+                        "the decode step was not compiled (torch._dynamo skipped it); see TORCH_LOGS=recompiles"
+                    )
             else:
                 self.graphs_after_first_call += new
         self.calls += 1
@@ -314,6 +332,12 @@ def compile_ge(step: Callable, superkernel: bool, device: str) -> CompiledStep:
     # their addresses are fixed for the run), which saves ~50 us of guard checks per step.
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
     backend = InductorBackend(superkernel, device)
-    compiled = torch.compile(step, backend=backend, fullgraph=True, dynamic=False, isolate_recompiles=True,
-                             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+    compiled = torch.compile(
+        step,
+        backend=backend,
+        fullgraph=True,
+        dynamic=False,
+        isolate_recompiles=True,
+        options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
+    )
     return CompiledStep(compiled, backend, "inductor+superkernel" if superkernel else "inductor")

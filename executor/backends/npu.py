@@ -7,12 +7,14 @@ It is a thin adapter calling exactly the documented APIs (shared/reference/ascen
 mapping their return tuples onto executor.ops.reference's contracts and nothing more, so that
 tests/test_npu_adapter.py can pin every argument with recording doubles.
 """
+
 from __future__ import annotations
 
 import importlib
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Callable, ContextManager
 
 import torch
 from torch._dynamo.utils import counters
@@ -70,8 +72,18 @@ def install_ops() -> None:
         # q (B, Hq, S, D), k/v (B, Hkv, T, D): layout BNSD; mask (B, 1, S, T) bool, True = masked
         # out, which is already the NPU polarity. sparse_mode 0 = use the mask as given.
         out, _lse = tnpu.npu_fused_infer_attention_score(
-            q, k, v, atten_mask=mask, num_heads=q.shape[1], num_key_value_heads=k.shape[1],
-            input_layout="BNSD", scale=scale, sparse_mode=0, pre_tokens=INT32_MAX, next_tokens=INT32_MAX)
+            q,
+            k,
+            v,
+            atten_mask=mask,
+            num_heads=q.shape[1],
+            num_key_value_heads=k.shape[1],
+            input_layout="BNSD",
+            scale=scale,
+            sparse_mode=0,
+            pre_tokens=INT32_MAX,
+            next_tokens=INT32_MAX,
+        )
         return out
 
     def moe_gating_top_k_softmax(logits, k):
@@ -85,7 +97,8 @@ def install_ops() -> None:
         n, k = expert_idx.shape
         row_idx = torch.arange(n * k, dtype=torch.int32, device=x.device).view(k, n).t().contiguous()
         expanded_x, expanded_row_idx, expanded_expert_idx = tnpu.npu_moe_init_routing(
-            x, row_idx, expert_idx.to(torch.int32), active_num=n)
+            x, row_idx, expert_idx.to(torch.int32), active_num=n
+        )
         dst = expanded_row_idx.to(torch.int64)
         src = torch.empty_like(dst).scatter_(0, dst, torch.arange(n * k, device=x.device))  # dst -> row id
         order = (src % n) * k + src // n
@@ -96,12 +109,23 @@ def install_ops() -> None:
     def grouped_matmul(x, weights, counts):
         # group_type 0: groups split the rows (M) of x; group_list_type 1: counts, not cumsum;
         # split_item 3: one weight tensor (E, K, N) in, one output tensor out.
-        return tnpu.npu_grouped_matmul([x], [weights], group_list=counts, group_type=0,
-                                       group_list_type=1, split_item=3)[0]
+        return tnpu.npu_grouped_matmul(
+            [x], [weights], group_list=counts, group_type=0, group_list_type=1, split_item=3
+        )[0]
 
-    ops.register("npu", {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "swiglu": swiglu,
-                         "rotary_mul": rotary_mul, "attention": attention, "grouped_matmul": grouped_matmul,
-                         "moe_gating_top_k_softmax": moe_gating_top_k_softmax, "moe_init_routing": moe_init_routing})
+    ops.register(
+        "npu",
+        {
+            "rms_norm": rms_norm,
+            "add_rms_norm": add_rms_norm,
+            "swiglu": swiglu,
+            "rotary_mul": rotary_mul,
+            "attention": attention,
+            "grouped_matmul": grouped_matmul,
+            "moe_gating_top_k_softmax": moe_gating_top_k_softmax,
+            "moe_init_routing": moe_init_routing,
+        },
+    )
     ops.use("npu")
 
 
@@ -116,6 +140,7 @@ class _ScopeLog:
 
         def note(label: str, options: str) -> None:
             self.entries[(label, options)] = self.entries.get((label, options), 0) + 1
+
         self.note = torch.compiler.assume_constant_result(note)
 
 
@@ -134,7 +159,7 @@ class _NpuGraphScope:
         return False
 
 
-def scope_factory(mode: str, log: _ScopeLog | None = None) -> Callable[[str, str], ContextManager]:
+def scope_factory(mode: str, log: _ScopeLog | None = None) -> Callable[[str, str], AbstractContextManager]:
     """What `superkernel_scope(True, label, options)` opens on Ascend, for executor.scope.set_scope_impl."""
     log = log if log is not None else _ScopeLog()
     if mode == "ge_graph":
@@ -146,9 +171,10 @@ def scope_factory(mode: str, log: _ScopeLog | None = None) -> Callable[[str, str
     else:
         raise ValueError(f"scope_factory: mode {mode!r} is not an Ascend graph mode; allowed: ge_graph, npugraph_ex")
 
-    def factory(label: str, options: str) -> ContextManager:
+    def factory(label: str, options: str) -> AbstractContextManager:
         log.note(label, options)
         return open_scope(label, options)
+
     return factory
 
 
@@ -179,12 +205,19 @@ def _backend(fn: Callable, name: str, mc: ModelConfig, log: _ScopeLog, cache_dir
 
     def stats() -> dict:
         traced = step.graphs > 0
-        return {"compile_s": round(step.compile_s, 3), "graphs": step.graphs, "recompiles": step.recompiles,
-                "cache_dir": str(cache_dir) if cache_dir else None, "cache_enabled": mc.enable_cache_compile,
-                "scopes": [{"label": label, "options": options, "traced": n}
-                           for (label, options), n in log.entries.items()],
-                # None = not observable: the graph came from torchair's cache, nothing was traced
-                "superkernel_ran": bool(log.entries) if traced or not mc.enable_cache_compile else None}
+        return {
+            "compile_s": round(step.compile_s, 3),
+            "graphs": step.graphs,
+            "recompiles": step.recompiles,
+            "cache_dir": str(cache_dir) if cache_dir else None,
+            "cache_enabled": mc.enable_cache_compile,
+            "scopes": [
+                {"label": label, "options": options, "traced": n} for (label, options), n in log.entries.items()
+            ],
+            # None = not observable: the graph came from torchair's cache, nothing was traced
+            "superkernel_ran": bool(log.entries) if traced or not mc.enable_cache_compile else None,
+        }
+
     return DecodeBackend(step, name, stats)
 
 
@@ -213,7 +246,7 @@ def compile_ge(step: Callable, model_config: ModelConfig, superkernel: bool) -> 
     """torchair GE graph mode: whole decode step, static shapes; SK = torchair.scope.super_kernel."""
     torchair = _torchair()
     cfg = importlib.import_module("torchair.configs.compiler_config").CompilerConfig()
-    cfg.experimental_config.frozen_parameter = True          # parameter addresses fixed across steps
+    cfg.experimental_config.frozen_parameter = True  # parameter addresses fixed across steps
     cfg.experimental_config.tiling_schedule_optimize = True  # static shapes: tiling scheduled on device
     cfg.experimental_config.topology_sorting_strategy = "StableRDFS"
     log = _ScopeLog()
@@ -222,8 +255,9 @@ def compile_ge(step: Callable, model_config: ModelConfig, superkernel: bool) -> 
     cache_dir = None
     if model_config.enable_cache_compile:
         cache_dir = Path(model_config.cache_dir).expanduser() if model_config.cache_dir else DEFAULT_CACHE / "torchair"
-        fn = torchair.inference.cache_compile(_module_method(step), config=cfg, cache_dir=str(cache_dir),
-                                              dynamic=False, fullgraph=True, ge_cache=True)
+        fn = torchair.inference.cache_compile(
+            _module_method(step), config=cfg, cache_dir=str(cache_dir), dynamic=False, fullgraph=True, ge_cache=True
+        )
     else:
         backend = torchair.get_npu_backend(compiler_config=cfg)
         fn = torch.compile(step, backend=backend, dynamic=False, fullgraph=True)
@@ -239,8 +273,10 @@ def _npugraph_sk_options(mc: ModelConfig) -> dict:
         parsed = parse_options(text)
         other = sorted(set(parsed) - {"stream-fusion"})
         if other:
-            raise UnsupportedError(f"superkernel options {', '.join(other)} exist only in exe_mode ge_graph "
-                                   "(torchair.scope.super_kernel); npugraph_ex supports stream-fusion only")
+            raise UnsupportedError(
+                f"superkernel options {', '.join(other)} exist only in exe_mode ge_graph "
+                "(torchair.scope.super_kernel); npugraph_ex supports stream-fusion only"
+            )
         fusion.add(int(parsed.get("stream-fusion", "0")))
     if len(fusion) > 1:
         raise UnsupportedError("npugraph_ex applies one stream-fusion value to all scopes; the plan's scopes disagree")
@@ -251,8 +287,10 @@ def compile_npugraph_ex(step: Callable, model_config: ModelConfig, superkernel: 
     """aclgraph capture via the npugraph_ex backend; SK is a post-capture pass over begin/end scopes."""
     _torch_npu()  # registers the "npugraph_ex" dynamo backend
     if model_config.enable_cache_compile:
-        raise UnsupportedError("enable_cache_compile needs exe_mode ge_graph (torchair.inference.cache_compile); "
-                               "npugraph_ex has no documented compile cache")
+        raise UnsupportedError(
+            "enable_cache_compile needs exe_mode ge_graph (torchair.inference.cache_compile); "
+            "npugraph_ex has no documented compile cache"
+        )
     options: dict = {"frozen_parameter": True, "static_kernel_compile": True}  # SK needs static kernels
     log = _ScopeLog()
     if superkernel:

@@ -5,14 +5,23 @@ implementation in the active table; `use("reference")` (default, plain PyTorch, 
 everywhere) or `use("npu")` (torch_npu fused kernels, registered by executor.backends.npu).
 The table is chosen once per run by the backend, never inside model code.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from executor.ops import reference
 
-OP_NAMES = ("rms_norm", "add_rms_norm", "swiglu", "rotary_mul", "attention",
-            "moe_gating_top_k_softmax", "moe_init_routing", "grouped_matmul")
+OP_NAMES = (
+    "rms_norm",
+    "add_rms_norm",
+    "swiglu",
+    "rotary_mul",
+    "attention",
+    "moe_gating_top_k_softmax",
+    "moe_init_routing",
+    "grouped_matmul",
+)
 
 _TABLES: dict[str, dict[str, Callable]] = {
     "reference": {name: getattr(reference, name) for name in OP_NAMES},

@@ -4,6 +4,7 @@ Each function has the exact semantics of its torch_npu counterpart (see
 shared/reference/ascend-apis.md), so every path runs, and is tested, on CPU. Shapes use
 B batch, S query length, T key length, Hq/Hkv query/kv heads, D head dim.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,8 +18,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * y.to(x.dtype)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """npu_add_rms_norm(x1, x2, gamma, eps) -> (y, x_sum): y = rms_norm(x1 + x2)."""
     x_sum = x + residual
     return rms_norm(x_sum, weight, eps), x_sum
@@ -36,13 +38,12 @@ def rotary_mul(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-              scale: float) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """Masked GQA attention. q (B, Hq, S, D); k, v (B, Hkv, T, D); mask (B, 1, S, T) bool,
     True = masked out (the NPU polarity). Returns (B, Hq, S, D). Softmax runs in fp32."""
     b, hq, s, d = q.shape
     hkv = k.shape[1]
-    qg = q.view(b, hkv, hq // hkv, s, d)                                  # (B, Hkv, G, S, D)
+    qg = q.view(b, hkv, hq // hkv, s, d)  # (B, Hkv, G, S, D)
     scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scale  # (B, Hkv, G, S, T)
     scores = scores.masked_fill(mask.unsqueeze(2), float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -56,16 +57,17 @@ def moe_gating_top_k_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor
     return weights, idx
 
 
-def moe_init_routing(x: torch.Tensor, expert_idx: torch.Tensor,
-                     num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_init_routing(
+    x: torch.Tensor, expert_idx: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """npu_moe_init_routing: stable-sort the N*k (token, expert) pairs by expert.
 
     x (N, H); expert_idx (N, k). Returns expanded_x (N*k, H) grouped by expert, the source
     token of each row (N*k,), and the per-expert row counts (E,) for grouped_matmul.
     """
-    n, k = expert_idx.shape
+    _n, k = expert_idx.shape
     flat = expert_idx.reshape(-1)
-    order = torch.sort(flat, stable=True).indices            # (N*k,) positions in (token, slot) order
+    order = torch.sort(flat, stable=True).indices  # (N*k,) positions in (token, slot) order
     token_of_row = order // k
     counts = torch.bincount(flat, minlength=num_experts)
     return x[token_of_row], order, counts
@@ -81,6 +83,6 @@ def grouped_matmul(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor)
     start = 0
     for e, n in enumerate(counts.tolist()):
         if n:
-            out[start:start + n] = x[start:start + n] @ weights[e]
+            out[start : start + n] = x[start : start + n] @ weights[e]
             start += n
     return out

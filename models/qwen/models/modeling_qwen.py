@@ -7,6 +7,7 @@ come from `executor.ops` and scopes from `ctx.scopes`: no device or execution-mo
 SuperKernel regions (see executor.scope): `decode_layers` (all layers), `layer_{i}`,
 `layer_{i}_attn`, `layer_{i}_mlp`. The runner's scope plan decides which are opened.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ class ForwardContext:
     positions: torch.Tensor  # (B, S) absolute position of each input token
     cache: KVCache
     scopes: ScopeRunner
-    cos: torch.Tensor | None = None   # (B, 1, S, D)
+    cos: torch.Tensor | None = None  # (B, 1, S, D)
     sin: torch.Tensor | None = None
     mask: torch.Tensor | None = None  # (B, 1, S, T) bool, True = masked out
 
@@ -50,7 +51,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.h * self.d, arch.hidden_size, bias=arch.o_bias)
         self.q_norm = RMSNorm(self.d, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.d, arch.rms_norm_eps) if arch.qk_norm else None
-        self.scale = self.d ** -0.5
+        self.scale = self.d**-0.5
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         b, s, _ = x.shape
@@ -98,13 +99,13 @@ class DecoderLayer(nn.Module):
         return h
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin (B, 1, S, D) for half-rotation RoPE, computed in fp32 like HF."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
-                                             device=positions.device) / head_dim))
-    freqs = positions.float().unsqueeze(-1) * inv_freq        # (B, S, D/2)
-    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)     # (B, 1, S, D)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    freqs = positions.float().unsqueeze(-1) * inv_freq  # (B, S, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # (B, 1, S, D)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -113,8 +114,11 @@ class QwenForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(layers if layers is not None else [
-            DecoderLayer(arch, i, MLP(arch.hidden_size, arch.intermediate_size)) for i in range(arch.num_layers)])
+        self.layers = nn.ModuleList(
+            layers
+            if layers is not None
+            else [DecoderLayer(arch, i, MLP(arch.hidden_size, arch.intermediate_size)) for i in range(arch.num_layers)]
+        )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:
@@ -123,13 +127,14 @@ class QwenForCausalLM(nn.Module):
     def regions(self) -> list[Region]:
         return decoder_regions(len(self.layers), [layer.ffn_kind for layer in self.layers])
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                scopes: ScopeRunner) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, scopes: ScopeRunner
+    ) -> torch.Tensor:
         """input_ids, positions (B, S) -> final hidden states (B, S, H); writes the cache."""
         h = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(positions, self.arch.head_dim, self.arch.rope_theta, h.dtype)
         slots = torch.arange(cache.max_len, device=positions.device)
-        mask = (slots.view(1, 1, 1, -1) > positions.unsqueeze(1).unsqueeze(-1))  # (B, 1, S, T)
+        mask = slots.view(1, 1, 1, -1) > positions.unsqueeze(1).unsqueeze(-1)  # (B, 1, S, T)
         ctx = ForwardContext(positions, cache, scopes, cos, sin, mask)
         with scopes.region("decode_layers"):
             for layer in self.layers:

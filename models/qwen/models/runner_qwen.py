@@ -2,6 +2,7 @@
 
 Prefill/decode split, static KV cache, compilation and timing are shared in executor.runner.
 """
+
 from executor.arch import ModelArch
 from executor.runner import ModelRunner
 from models.qwen.models.modeling_qwen import build_model

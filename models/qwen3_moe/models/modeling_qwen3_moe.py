@@ -8,6 +8,7 @@ decoder_sparse_step), so dense and MoE layers can be mixed.
 SuperKernel regions: `decode_layers`, `layer_{i}`, `layer_{i}_attn`, and `layer_{i}_moe` on MoE
 layers or `layer_{i}_mlp` on dense ones, so plan `moe` wraps only the MoE blocks.
 """
+
 from __future__ import annotations
 
 import torch
@@ -53,7 +54,7 @@ class SparseMoeBlock(nn.Module):
 
         Same order of ops and casts as transformers' Qwen3MoeTopKRouter: softmax and the
         renormalisation in fp32, then one cast to the hidden dtype."""
-        logits = self.gate(x)                                       # (N, E)
+        logits = self.gate(x)  # (N, E)
         weights, idx = ops.moe_gating_top_k_softmax(logits, self.top_k)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -61,7 +62,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
-        flat = x.reshape(b * s, h)                                  # (N, H)
+        flat = x.reshape(b * s, h)  # (N, H)
         weights, idx = self.route(flat)
         if flat.shape[0] * self.top_k <= self.num_experts:
             out = self._gathered(flat, weights, idx)
@@ -77,15 +78,15 @@ class SparseMoeBlock(nn.Module):
         return (y * weights.unsqueeze(-1)).sum(dim=1)
 
     def _gathered(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        gate_up = self.experts_gate_up[idx]                         # (N, k, 2I, H)
+        gate_up = self.experts_gate_up[idx]  # (N, k, 2I, H)
         act = ops.swiglu(torch.matmul(gate_up, x[:, None, :, None]).squeeze(-1))  # (N, k, I)
-        down = self.experts_down[idx]                               # (N, k, H, I)
-        y = torch.matmul(down, act.unsqueeze(-1)).squeeze(-1)      # (N, k, H)
+        down = self.experts_down[idx]  # (N, k, H, I)
+        y = torch.matmul(down, act.unsqueeze(-1)).squeeze(-1)  # (N, k, H)
         return self._weighted_sum(y, weights)
 
     def _dense(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         act = ops.swiglu(torch.einsum("nh,eoh->neo", x, self.experts_gate_up))  # (N, E, I)
-        y = torch.einsum("nei,ehi->neh", act, self.experts_down)               # (N, E, H)
+        y = torch.einsum("nei,ehi->neh", act, self.experts_down)  # (N, E, H)
         combine = torch.zeros(y.shape[:2], dtype=weights.dtype, device=weights.device)
         return self._weighted_sum(y, combine.scatter(1, idx.long(), weights))  # (N, E): 0 off top-k
 
@@ -95,7 +96,7 @@ class SparseMoeBlock(nn.Module):
         act = ops.swiglu(ops.grouped_matmul(rows, self.experts_gate_up.transpose(1, 2), counts))
         y = ops.grouped_matmul(act, self.experts_down.transpose(1, 2), counts)  # (N*k, H)
         unsorted = torch.empty_like(y)
-        unsorted[flat_pos.long()] = y                               # back to (token, slot) order
+        unsorted[flat_pos.long()] = y  # back to (token, slot) order
         return self._weighted_sum(unsorted.view(n, k, -1), weights)
 
 

@@ -2,6 +2,7 @@
 
 Prefill/decode split, static KV cache, compilation and timing are shared in executor.runner.
 """
+
 from __future__ import annotations
 
 import re
@@ -43,8 +44,10 @@ class Qwen3MoeRunner(ModelRunner):
         for name, parts in experts.items():
             missing = sorted(set(range(self.arch.num_experts)) - set(parts))
             if missing or len(parts) != self.arch.num_experts:
-                raise LoadError(f"checkpoint has {len(parts)} experts for {name}, config.json says "
-                                f"{self.arch.num_experts} (missing experts {missing[:5]})")
+                raise LoadError(
+                    f"checkpoint has {len(parts)} experts for {name}, config.json says "
+                    f"{self.arch.num_experts} (missing experts {missing[:5]})"
+                )
             out[name] = torch.stack([parts[e] for e in range(len(parts))])
         return out
 
