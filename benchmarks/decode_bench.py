@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from executor.arch import MODEL_SIZES, arch_from_dict  # noqa: E402
-from executor.cli import runner_class  # noqa: E402
 from executor.config import load_config  # noqa: E402
 from executor.platform import detect  # noqa: E402
+from executor.registry import runner_class  # noqa: E402
 from executor.tokenizer import BUILTIN_TOKENIZER  # noqa: E402
 
 PROMPT_LEN = 16

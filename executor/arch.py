@@ -13,13 +13,15 @@ from pathlib import Path
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-MODEL_SIZES = REPO_ROOT / "configs" / "model_sizes.yaml"
+from executor.errors import RecipeError
+from executor.paths import CONFIGS_DIR
+
+MODEL_SIZES = CONFIGS_DIR / "model_sizes.yaml"
 DENSE_TYPES = ("qwen2", "qwen3")
 MOE_TYPES = ("qwen3_moe",)
 
 
-class ArchError(Exception):
+class ArchError(RecipeError):
     """config.json / debug size problem, naming the file and field."""
 
 

@@ -19,13 +19,16 @@ from typing import Any
 
 import yaml
 
+from executor.errors import RecipeError
+from executor.scope import REGION_KINDS, parse_options
+
 EXE_MODES = ("eager", "ge_graph", "npugraph_ex")
-PLANS = ("attention", "mlp", "moe", "layer", "decoder", "custom")
+PLANS = (*REGION_KINDS, "custom")
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda", "npu")
 
 
-class ConfigError(Exception):
+class ConfigError(RecipeError):
     """A configuration problem; the message is one line naming the key and what is allowed."""
 
 
@@ -251,8 +254,6 @@ def validate(cfg: RunConfig) -> None:
         )
     if not cfg.data_config.prompts and not cfg.data_config.dataset:
         raise ConfigError("data_config.prompts: give at least one prompt or a data_config.dataset file")
-    from executor.scope import parse_options  # late import: scope imports torch
-
     parse_options(sk.options, key="model_config.superkernel.options")
     for i, scope in enumerate(sk.custom):
         parse_options(scope.options, key=f"model_config.superkernel.custom[{i}].options")

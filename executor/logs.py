@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from executor.errors import RecipeError
+
 __all__ = [
     "LogParseError",
     "ParsedLog",
@@ -41,7 +43,7 @@ __all__ = [
 ]
 
 
-class LogParseError(Exception):
+class LogParseError(RecipeError):
     """A log is missing, unreadable, or lacks the timing a caller needs."""
 
 

@@ -2,7 +2,17 @@
 cache -> timings, cann-recipes-infer log lines and metrics.json.
 
 A recipe's runner_<name>.py subclasses `ModelRunner` to say how to build its model; all the
-measurement logic lives here once so every recipe is timed the same way.
+measurement logic lives here once so every recipe is timed the same way. Generation is split
+into named steps, as single-file decoders do, so that one piece can be replaced (a compiled
+prefill, a multi-rank step) without touching the others:
+
+    prepare(batch)      size the static KV cache, compile the decode step once
+    prefill(prompts)    right-padded prompts -> first logits (eager, never inside a scope)
+    decode_one(t, pos)  one compiled decode step -> logits
+    generate(...)       the greedy loop over the three above
+
+Everything that traces or runs the model happens inside the run's ExecutionContext (op table,
+scope implementation, compile cache), entered here and restored afterwards.
 """
 
 from __future__ import annotations
@@ -20,14 +30,17 @@ from typing import TextIO
 import torch
 
 from executor import logs, ops
-from executor.arch import REPO_ROOT, ModelArch, load_arch
-from executor.compile import compile_decode, prepare_platform, timer
-from executor.config import RunConfig, to_dict
+from executor.arch import ArchError, ModelArch, load_arch
+from executor.backends.base import Backend, CompiledStep
+from executor.compile import select_backend
+from executor.config import ConfigError, RunConfig, to_dict
+from executor.context import ExecutionContext
 from executor.kv_cache import KVCache
 from executor.loader import init_random, load_weights
-from executor.platform import Platform, software_versions
+from executor.paths import results_dir
+from executor.platform import Platform, software_versions, timer
 from executor.scope import NO_PLAN, PREFILL_SCOPES, ScopePlan, ScopeRunner, build_plan
-from executor.tokenizer import BUILTIN_TOKENIZER, Tokenizer
+from executor.tokenizer import BUILTIN_TOKENIZER, Tokenizer, TokenizerError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,6 +53,13 @@ class Generation:
     decode_ms: list[float]  # one per decode step (the first token comes from prefill)
     first_logits: torch.Tensor  # (B, V) fp32 logits of the prefill's last real token
     last_logits: torch.Tensor  # (B, V) logits of the last decode step
+
+
+@dataclass
+class Prefill:
+    logits: torch.Tensor  # (B, V) fp32 logits at each row's last prompt token
+    lengths: torch.Tensor  # (B,) prompt lengths: the position of each row's next token
+    ms: float
 
 
 class ModelRunner:
@@ -58,15 +78,15 @@ class ModelRunner:
         self.stream = stream or sys.stdout
         mc = cfg.model_config
         self.name, self.dtype = mc.model_name, DTYPES[mc.dtype]
-        self.device = torch.device(platform.kind if platform.kind != "npu" else "npu")
+        self.device = torch.device(platform.kind)
         self.arch = load_arch(mc.model_path, mc.debug_size)
         if self.model_types and self.arch.model_type not in self.model_types:
-            raise ValueError(
+            raise ArchError(
                 f"{self.arch.source}: model_type {self.arch.model_type!r} does not belong to the "
                 f"{self.recipe} recipe (it runs {', '.join(self.model_types)})"
             )
         torch.manual_seed(mc.seed)
-        prepare_platform(platform, mc)
+        self.use_backend(select_backend(mc, platform))
         self.model = self.build_model(self.arch).to(self.dtype)
         if mc.with_ckpt:
             load_weights(self.model, mc.model_path, self.dtype, self.remap_weights)
@@ -80,8 +100,13 @@ class ModelRunner:
         )
         self.decode_scopes = ScopeRunner(self.plan, active=True)
         self.cache: KVCache | None = None
-        self.backend = None
         self.now = timer(platform)
+
+    def use_backend(self, backend: Backend) -> None:
+        """Run the decode step with `backend` from now on (compiled on next use): the same model
+        and weights under another exe_mode, e.g. for an eager reference in the same process."""
+        self.backend, self.context = backend, ExecutionContext.for_backend(backend)
+        self.step: CompiledStep | None = None  # the compiled decode step, built on first use
 
     def _tokenizer_path(self) -> Path:
         mc = self.cfg.model_config
@@ -90,8 +115,6 @@ class ModelRunner:
         if mc.model_path and (Path(mc.model_path) / "tokenizer.json").is_file():
             return Path(mc.model_path) / "tokenizer.json"
         if mc.model_path and mc.with_ckpt:
-            from executor.tokenizer import TokenizerError
-
             raise TokenizerError(f"{mc.model_path}: tokenizer.json not found (set model_config.tokenizer_path)")
         return Path(BUILTIN_TOKENIZER)
 
@@ -105,7 +128,7 @@ class ModelRunner:
         if dc.dataset:
             path = Path(dc.dataset)
             if not path.is_file():
-                raise FileNotFoundError(f"data_config.dataset: {path} does not exist")
+                raise ConfigError(f"data_config.dataset: {path} does not exist")
             prompts = [line for line in path.read_text().splitlines() if line.strip()]
         b = self.cfg.scheduler_config.batch_size
         return [prompts[i % len(prompts)] for i in range(b)]
@@ -115,6 +138,42 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.cache, self.decode_scopes)
         return self.model.logits(hidden[:, -1])
 
+    def prepare(self, batch: int) -> None:
+        """Size the static KV cache for `batch` rows and compile the decode step (once each).
+
+        The cache is sized from config only, so every call has the same shapes (no recompiles).
+        Reusing it is safe: each slot a query can see is rewritten by prefill before it is read."""
+        if self.cache is None or self.cache.k[0].shape[0] != batch:
+            max_len = self.cfg.data_config.input_max_len + self.cfg.scheduler_config.max_new_tokens
+            self.cache = KVCache(
+                len(self.model.layers),
+                batch,
+                self.arch.num_kv_heads,
+                max_len,
+                self.arch.head_dim,
+                self.dtype,
+                self.device,
+            )
+        if self.step is None:
+            self.step = self.backend.compile(self._decode_step)
+
+    def prefill(self, prompt_ids: list[list[int]]) -> Prefill:
+        """Run the right-padded prompts through the model eagerly, outside any scope."""
+        b = len(prompt_ids)
+        lengths = torch.tensor([len(p) for p in prompt_ids], device=self.device)
+        ids = torch.zeros(b, int(lengths.max()), dtype=torch.long, device=self.device)  # (B, S) right-padded
+        for i, p in enumerate(prompt_ids):
+            ids[i, : len(p)] = torch.tensor(p)
+        positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
+        t0 = self.now()
+        hidden = self.model(ids, positions, self.cache, PREFILL_SCOPES)
+        logits = self.model.logits(hidden[torch.arange(b), lengths - 1])
+        return Prefill(logits, lengths, (self.now() - t0) * 1e3)
+
+    def decode_one(self, token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One compiled decode step: (B, 1) tokens at (B, 1) positions -> (B, V) logits."""
+        return self.step(token, positions)
+
     @torch.no_grad()
     def generate(
         self,
@@ -123,50 +182,35 @@ class ModelRunner:
         on_step: Callable[[int, float], None] | None = None,
         on_prefill: Callable[[float], None] | None = None,
     ) -> Generation:
-        b = len(prompt_ids)
-        lengths = torch.tensor([len(p) for p in prompt_ids], device=self.device)
-        s = int(lengths.max())
+        """Greedy decoding: prefill, then `max_new_tokens - 1` timed decode steps."""
         if max_new_tokens > self.cfg.scheduler_config.max_new_tokens:
             raise ValueError(f"max_new_tokens {max_new_tokens} exceeds scheduler_config.max_new_tokens")
-        if self.cache is None or self.cache.k[0].shape[0] != b:
-            # Sized from config only, so every call has the same shapes (no recompiles). Reusing
-            # it is safe: each slot a query can see is rewritten by this call before it is read.
-            max_len = self.cfg.data_config.input_max_len + self.cfg.scheduler_config.max_new_tokens
-            self.cache = KVCache(
-                len(self.model.layers), b, self.arch.num_kv_heads, max_len, self.arch.head_dim, self.dtype, self.device
-            )
-        if self.backend is None:
-            self.backend = compile_decode(self._decode_step, self.cfg.model_config, self.platform)
-        ids = torch.zeros(b, s, dtype=torch.long, device=self.device)  # right-padded
-        for i, p in enumerate(prompt_ids):
-            ids[i, : len(p)] = torch.tensor(p)
-        positions = torch.arange(s, device=self.device).expand(b, s)
-        t0 = self.now()
-        hidden = self.model(ids, positions, self.cache, PREFILL_SCOPES)
-        first_logits = self.model.logits(hidden[torch.arange(b), lengths - 1])
-        prefill_ms = (self.now() - t0) * 1e3
-        if on_prefill:
-            on_prefill(prefill_ms)
-        token = first_logits.argmax(-1, keepdim=True)  # (B, 1)
-        out, step_ms, logits = [token], [], first_logits
-        pos = lengths.view(b, 1).clone()
-        for i in range(max_new_tokens - 1):
-            t0 = self.now()
-            logits = self.backend.step(token, pos)
-            step_ms.append((self.now() - t0) * 1e3)
-            token = logits.argmax(-1, keepdim=True)
-            out.append(token)
-            pos += 1
-            if on_step:
-                on_step(i, step_ms[-1])
+        b = len(prompt_ids)
+        with self.context.active():
+            self.prepare(b)
+            pre = self.prefill(prompt_ids)
+            if on_prefill:
+                on_prefill(pre.ms)
+            token = pre.logits.argmax(-1, keepdim=True)  # (B, 1)
+            out, step_ms, logits = [token], [], pre.logits
+            pos = pre.lengths.view(b, 1).clone()
+            for i in range(max_new_tokens - 1):
+                t0 = self.now()
+                logits = self.decode_one(token, pos)
+                step_ms.append((self.now() - t0) * 1e3)
+                token = logits.argmax(-1, keepdim=True)
+                out.append(token)
+                pos += 1
+                if on_step:
+                    on_step(i, step_ms[-1])
         tokens = torch.cat(out, dim=1).tolist()
-        return Generation(prompt_ids, tokens, prefill_ms, step_ms, first_logits, logits)
+        return Generation(prompt_ids, tokens, pre.ms, step_ms, pre.logits, logits)
 
     def encode_prompts(self) -> list[list[int]]:
         limit = self.cfg.data_config.input_max_len
         encoded = [self.tokenizer.encode(p)[-limit:] for p in self.prompts()]
         if any(not e for e in encoded):
-            raise ValueError("data_config.prompts: a prompt encodes to zero tokens")
+            raise ConfigError("data_config.prompts: a prompt encodes to zero tokens")
         return encoded
 
     # ------------------------------------------------------------------ the whole run
@@ -222,13 +266,13 @@ class ModelRunner:
 
     def _metrics(self, gen: Generation, texts: list[str], tps: float | None, warmup_s: float) -> dict:
         mc = self.cfg.model_config
-        stats = self.backend.stats()
+        report = self.step.report()
         peak = (
             torch.cuda.max_memory_allocated() / 2**20
             if self.platform.kind == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         )
-        ran = bool(stats.get("superkernel_ran")) and mc.superkernel.enable
+        ran = bool(report.superkernel_ran) and mc.superkernel.enable
         return {
             "model_name": mc.model_name,
             "recipe": self.recipe,
@@ -241,21 +285,18 @@ class ModelRunner:
             "versions": software_versions(),
             "torch_version": torch.__version__,
             "exe_mode": mc.exe_mode,
-            "backend": self.backend.name,
+            "backend": report.backend,
             "dtype": mc.dtype,
-            "ops": ops.implementations(),
+            "ops": ops.implementations(self.context.op_table),
             "superkernel": {
                 "requested": mc.superkernel.enable,
                 "ran": ran,
                 "plan": self.plan.name,
                 "options": mc.superkernel.options,
-                "scopes": stats.get(
-                    "scopes", [{"label": s.label, "region": s.region, "options": s.options} for s in self.plan.scopes]
-                ),
+                "scopes": report.scopes,
             },
             "regions": [r.name for r in self.model.regions()],
-            "compile": {k: v for k, v in stats.items() if k not in ("scopes", "superkernel_ran")}
-            | {"warmup_s": round(warmup_s, 3)},
+            "compile": report.compile_info() | {"warmup_s": round(warmup_s, 3)},
             "batch_size": len(gen.token_ids),
             "decode_steps": len(gen.decode_ms),
             "prefill_ms": gen.prefill_ms,
@@ -289,6 +330,4 @@ def write_scope_report(out_dir: Path, sk: dict) -> None:
 
 def default_out_dir(cfg: RunConfig, recipe: str) -> Path:
     mc = cfg.model_config
-    now = datetime.datetime.now()
-    case = f"{mc.exe_mode}_{'sk-' + mc.superkernel.plan if mc.superkernel.enable else 'nosk'}_{now:%H%M%S}"
-    return REPO_ROOT / "models" / recipe / "res" / f"{now:%Y-%m-%d}" / case
+    return results_dir(recipe, f"{mc.exe_mode}_{'sk-' + mc.superkernel.plan if mc.superkernel.enable else 'nosk'}")

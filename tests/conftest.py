@@ -7,21 +7,13 @@ directories as read-only (copy them to tmp_path before corrupting anything).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-try:  # `python -m pytest` from the repo root
-    import tests.checkpoints as ckpt
-except ImportError:  # plain `pytest`, or --import-mode=importlib
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import checkpoints as ckpt
-try:
-    import tests.tool_fixtures as tools
-except ImportError:
-    import tool_fixtures as tools
+import tests.checkpoints as ckpt
+import tests.tool_fixtures as tools
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

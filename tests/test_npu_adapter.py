@@ -9,28 +9,24 @@ doubles' backends, so scopes, graphs and numbers are real.
 
 from __future__ import annotations
 
-import sys
+import dataclasses
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
-try:  # `python -m pytest` from the repo root, or tests/ turned into a package
-    import tests.npu_doubles as nd
-except ImportError:  # plain `pytest`, or --import-mode=importlib
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import npu_doubles as nd
-
+import tests.npu_doubles as nd
 from executor import ops
 from executor.arch import arch_from_dict
 from executor.backends import npu
-from executor.compile import DecodeBackend, UnsupportedError, compile_decode, prepare_platform
+from executor.backends.base import EagerBackend
+from executor.compile import UnsupportedError, select_backend
 from executor.config import CustomScope, ModelConfig, SuperKernelConfig
+from executor.context import ExecutionContext
 from executor.kv_cache import KVCache
 from executor.ops import reference
 from executor.platform import Platform, detect
-from executor.scope import NO_PLAN, ScopeRunner, build_plan, set_scope_impl
+from executor.scope import NO_PLAN, ScopeRunner, build_plan
 from models.qwen.models.modeling_qwen import QwenForCausalLM
 
 TINY = {
@@ -46,25 +42,42 @@ TINY = {
     "rope_theta": 10000.0,
     "tie_word_embeddings": False,
 }
-STATS_KEYS = {"compile_s", "graphs", "recompiles", "cache_dir", "cache_enabled", "scopes", "superkernel_ran"}
+STATS_KEYS = {"backend", "compile_s", "graphs", "recompiles", "cache_dir", "cache_enabled", "scopes", "superkernel_ran"}
 A3 = Platform("npu", "A3", "Ascend910_9392", "recording doubles")
 
 
 @pytest.fixture
 def doubles():
-    """Doubles installed; the executor's global op table and scope impl restored afterwards."""
+    """Doubles installed; afterwards nothing of the NPU backend is left active in the process."""
     with nd.installed() as d:
-        try:
-            yield d
-        finally:
-            ops.use("reference")
-            set_scope_impl(None)
+        yield d
+    assert ops.active() == "reference"
 
 
 @pytest.fixture
 def npu_ops(doubles):
-    npu.install_ops()
-    return doubles.torch_npu
+    npu.register_ops()
+    with ops.using("npu"):
+        yield doubles.torch_npu
+
+
+def _compile(backend, fn):
+    """Compile `fn` with `backend`; calls run inside the backend's execution context, as the runner's do."""
+    context, step = ExecutionContext.for_backend(backend), backend.compile(fn)
+
+    def run(input_ids, positions):
+        with context.active():
+            return step(input_ids, positions)
+
+    return step, run
+
+
+def _stats(step) -> dict:
+    return dataclasses.asdict(step.report())
+
+
+def _sk_off(mc: ModelConfig) -> ModelConfig:
+    return dataclasses.replace(mc, superkernel=dataclasses.replace(mc.superkernel, enable=False))
 
 
 def _only(recorder, name):
@@ -74,7 +87,7 @@ def _only(recorder, name):
 
 
 # --------------------------------------------------------------------------- fused op wrappers
-def test_install_ops_activates_npu_table(npu_ops):
+def test_register_ops_makes_an_npu_table(npu_ops):
     assert ops.active() == "npu"
     assert set(ops.implementations()) == set(ops.OP_NAMES)
     assert all(v.startswith("executor.backends.npu.") for v in ops.implementations().values())
@@ -252,23 +265,20 @@ def _setup(plan_name: str = "attention", options: str = "stream-fusion=1", **mc_
 
 
 def _reference_logits(tiny: TinyDecode, steps: int = 3) -> list[torch.Tensor]:
-    active = ops.active()
-    ops.use("reference")
-    try:
+    with ops.using("reference"):
         eager = TinyDecode(NO_PLAN, state=tiny.model.state_dict())
         return eager.run(eager._decode_step, steps)
-    finally:
-        ops.use(active)
 
 
 def _graph_scope_args(gm: torch.fx.GraphModule, op_name: str) -> list:
     return [list(n.args) for n in gm.graph.nodes if n.op == "call_function" and op_name in str(n.target)]
 
 
-def test_compile_ge_superkernel_scopes_config_and_numbers(npu_ops, doubles):
+def test_torchair_ge_superkernel_scopes_config_and_numbers(npu_ops, doubles):
     tiny, mc = _setup()
-    backend = npu.compile_ge(tiny._decode_step, mc, True)
-    logits = tiny.run(backend.step)
+    backend = npu.TorchairGEBackend(mc)
+    step, run = _compile(backend, tiny._decode_step)
+    logits = tiny.run(run)
     for got, want in zip(logits, _reference_logits(tiny)):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     tair = doubles.torchair
@@ -287,28 +297,29 @@ def test_compile_ge_superkernel_scopes_config_and_numbers(npu_ops, doubles):
     one_step = [("air.scope_enter", keys, (lb, "stream-fusion=1")) for lb in labels]
     one_step = [e for pair in zip(one_step, [("air.scope_exit",)] * 2) for e in pair]
     assert doubles.scope_events == one_step * 3  # scopes executed in every decode step, in order
-    stats = backend.stats()
-    assert set(stats) == STATS_KEYS and backend.name == "torchair_ge+superkernel"
+    stats = _stats(step)
+    assert set(stats) == STATS_KEYS and backend.name == stats["backend"] == "torchair_ge+superkernel"
     assert stats["superkernel_ran"] is True and stats["graphs"] == 1 and stats["recompiles"] == 0
     assert [(s["label"], s["options"]) for s in stats["scopes"]] == [(lb, "stream-fusion=1") for lb in labels]
     assert stats["compile_s"] > 0 and stats["cache_enabled"] is False and stats["cache_dir"] is None
 
 
-def test_compile_ge_is_static_and_fullgraph(npu_ops, doubles):
+def test_torchair_ge_is_static_and_fullgraph(npu_ops, doubles):
     tiny, mc = _setup()
-    backend = npu.compile_ge(tiny._decode_step, mc, False)
-    tiny.run(backend.step, steps=2)
+    backend = npu.TorchairGEBackend(_sk_off(mc))
+    step, run = _compile(backend, tiny._decode_step)
+    tiny.run(run, steps=2)
     tiny.cache = KVCache(2, 3, 2, 8, 8, torch.float32)  # another batch size: a static recompile
-    tiny.run(backend.step, steps=1, batch=3)
+    tiny.run(run, steps=1, batch=3)
     graphs = [c.args[0] for c in doubles.torchair.named("npu_backend")]
-    assert len(graphs) == 2 and backend.stats()["recompiles"] == 1
+    assert len(graphs) == 2 and _stats(step)["recompiles"] == 1
     for gm in graphs:  # dynamic=False: no symbolic sizes even after a shape change
         for node in gm.graph.nodes:
             value = node.meta.get("example_value")
             if isinstance(value, torch.Tensor):
                 assert all(isinstance(s, int) for s in value.shape), node
     assert doubles.torchair.super_kernel_calls == [] and doubles.scope_events == []
-    assert backend.stats()["superkernel_ran"] is False and backend.name == "torchair_ge"
+    assert _stats(step)["superkernel_ran"] is False and backend.name == "torchair_ge"
 
     def with_break(input_ids, positions):
         torch._dynamo.graph_break()
@@ -316,31 +327,33 @@ def test_compile_ge_is_static_and_fullgraph(npu_ops, doubles):
 
     zeros = torch.zeros(3, 1, dtype=torch.long)
     with pytest.raises(torch._dynamo.exc.Unsupported):  # fullgraph=True: a break is an error
-        npu.compile_ge(with_break, mc, False).step(zeros, zeros)
+        _compile(backend, with_break)[1](zeros, zeros)
 
 
-def test_compile_ge_cache_compile_binds_step_to_a_module(npu_ops, doubles, tmp_path):
+def test_torchair_cache_compile_binds_step_to_a_module(npu_ops, doubles, tmp_path):
     tiny, mc = _setup(enable_cache_compile=True, cache_dir=str(tmp_path))
-    backend = npu.compile_ge(tiny._decode_step, mc, True)
-    logits = tiny.run(backend.step)
+    step, run = _compile(npu.TorchairGEBackend(mc), tiny._decode_step)
+    logits = tiny.run(run)
     for got, want in zip(logits, _reference_logits(tiny)):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     call = _only(doubles.torchair, "inference.cache_compile")
     func = call.args[0]
     assert isinstance(func, types.MethodType) and isinstance(func.__self__, torch.nn.Module)
     assert func.__self__.model is tiny.model  # parameters resolvable by name on a cache hit
-    assert call.kwargs["cache_dir"] == str(tmp_path) and call.kwargs["ge_cache"] is True
+    assert call.kwargs["cache_dir"] == str(tmp_path / "torchair") and call.kwargs["ge_cache"] is True
     assert call.kwargs["dynamic"] is False and call.kwargs["fullgraph"] is True
     assert call.kwargs["config"].experimental_config.frozen_parameter is True
     assert not doubles.torchair.named("get_npu_backend")
-    stats = backend.stats()
-    assert stats["cache_dir"] == str(tmp_path) and stats["cache_enabled"] is True and stats["superkernel_ran"] is True
+    stats = _stats(step)
+    assert stats["cache_dir"] == str(tmp_path / "torchair") and stats["cache_enabled"] is True
+    assert stats["superkernel_ran"] is True
 
 
 def test_compile_npugraph_ex_options_and_scopes(npu_ops, doubles):
     tiny, mc = _setup("layer", exe_mode="npugraph_ex")
-    backend = npu.compile_npugraph_ex(tiny._decode_step, mc, True)
-    logits = tiny.run(backend.step, steps=2)
+    backend = npu.NpuGraphExBackend(mc)
+    step, run = _compile(backend, tiny._decode_step)
+    logits = tiny.run(run, steps=2)
     for got, want in zip(logits, _reference_logits(tiny, steps=2)):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     call = _only(doubles.torch_npu, "npugraph_ex_backend")
@@ -355,14 +368,14 @@ def test_compile_npugraph_ex_options_and_scopes(npu_ops, doubles):
     one_step = [e for lb in labels for e in (("npu.super_kernel_scope_begin", lb), ("npu.super_kernel_scope_end", lb))]
     assert doubles.scope_events == one_step * 2
     assert doubles.torchair.super_kernel_calls == []  # torchair scopes do nothing in this mode
-    stats = backend.stats()
+    stats = _stats(step)
     assert set(stats) == STATS_KEYS and stats["superkernel_ran"] is True and backend.name == "npugraph_ex+superkernel"
     assert [s["label"] for s in stats["scopes"]] == labels
 
 
 def test_compile_npugraph_ex_without_superkernel_has_no_sk_keys(npu_ops, doubles):
     tiny, mc = _setup(exe_mode="npugraph_ex")
-    tiny.run(npu.compile_npugraph_ex(tiny._decode_step, mc, False).step, steps=1)
+    tiny.run(_compile(npu.NpuGraphExBackend(_sk_off(mc)), tiny._decode_step)[1], steps=1)
     options = _only(doubles.torch_npu, "npugraph_ex_backend").kwargs["options"]
     assert options == {"frozen_parameter": True, "static_kernel_compile": True}
 
@@ -383,30 +396,33 @@ def test_compile_npugraph_ex_without_superkernel_has_no_sk_keys(npu_ops, doubles
 def test_compile_npugraph_ex_refuses_options_it_cannot_honour(doubles, options, custom):
     sk = SuperKernelConfig(enable=True, plan="custom" if custom else "attention", options=options, custom=custom)
     with pytest.raises(UnsupportedError, match="feed-sync-all" if not custom else "disagree"):
-        npu.compile_npugraph_ex(lambda a, b: a, ModelConfig(exe_mode="npugraph_ex", superkernel=sk), True)
+        npu.NpuGraphExBackend(ModelConfig(exe_mode="npugraph_ex", superkernel=sk)).compile(lambda a, b: a)
     assert not doubles.torch_npu.named("npugraph_ex_backend")
 
 
 def test_compile_npugraph_ex_has_no_compile_cache(doubles):
     with pytest.raises(UnsupportedError, match="enable_cache_compile"):
-        npu.compile_npugraph_ex(lambda a, b: a, ModelConfig(exe_mode="npugraph_ex", enable_cache_compile=True), False)
+        npu.NpuGraphExBackend(ModelConfig(exe_mode="npugraph_ex", enable_cache_compile=True))
 
 
-def test_compile_decode_npu_branch(doubles, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unused")  # prepare_platform writes it; restore it
+def test_select_backend_npu_branch(doubles):
     tiny, mc = _setup()
-    prepare_platform(A3, mc)
-    assert ops.active() == "npu"
-    backend = compile_decode(tiny._decode_step, mc, A3)
-    tiny.run(backend.step, steps=1)
-    assert backend.name == "torchair_ge+superkernel" and backend.stats()["superkernel_ran"] is True
-    assert [s["label"] for s in backend.stats()["scopes"]] == ["layer_0_attn", "layer_1_attn"]
+    backend = select_backend(mc, A3)
+    assert isinstance(backend, npu.TorchairGEBackend) and backend.op_table == "npu"
+    with ExecutionContext.for_backend(backend).active():
+        assert ops.active() == "npu"
+    assert ops.active() == "reference"  # the context restores the process-wide table
+    step, run = _compile(backend, tiny._decode_step)
+    tiny.run(run, steps=1)
+    assert backend.name == "torchair_ge+superkernel" and _stats(step)["superkernel_ran"] is True
+    assert [s["label"] for s in _stats(step)["scopes"]] == ["layer_0_attn", "layer_1_attn"]
+    eager = select_backend(dataclasses.replace(mc, exe_mode="eager", superkernel=SuperKernelConfig()), A3)
+    assert isinstance(eager, EagerBackend) and eager.op_table == "npu"
 
 
-def test_cache_compile_takes_the_real_runner_decode_step(doubles, qwen3_ckpt, make_qwen_runner, tmp_path, monkeypatch):
+def test_cache_compile_takes_the_real_runner_decode_step(doubles, qwen3_ckpt, make_qwen_runner, tmp_path):
     """ModelRunner._decode_step is not an nn.Module method; the adapter must still hand
     torchair.inference.cache_compile one whose module owns the runner's model."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unused")  # the runner's prepare_platform writes it
     runner = make_qwen_runner(
         qwen3_ckpt,
         "model_config.exe_mode=ge_graph",
@@ -417,10 +433,9 @@ def test_cache_compile_takes_the_real_runner_decode_step(doubles, qwen3_ckpt, ma
         max_new_tokens=4,
     )
     prompt = [runner.tokenizer.encode("The weather today is")]
-    runner.backend = DecodeBackend(runner._decode_step, "eager")
+    runner.use_backend(EagerBackend())
     want = runner.generate(prompt, 4)
-    npu.install_ops()
-    runner.backend = npu.compile_ge(runner._decode_step, runner.cfg.model_config, True)
+    runner.use_backend(npu.select_backend(runner.cfg.model_config))
     got = runner.generate(prompt, 4)
     assert got.token_ids == want.token_ids
     torch.testing.assert_close(got.last_logits, want.last_logits, rtol=1e-4, atol=1e-4)
@@ -430,4 +445,4 @@ def test_cache_compile_takes_the_real_runner_decode_step(doubles, qwen3_ckpt, ma
     assert dict(func.__self__.named_parameters()).keys() == names
     traced = sorted({label for label, _ in doubles.torchair.super_kernel_calls})
     assert traced == runner.plan.labels == ["layer_0", "layer_1"]
-    assert runner.backend.stats()["superkernel_ran"] is True
+    assert runner.step.report().superkernel_ran is True

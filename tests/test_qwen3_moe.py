@@ -10,6 +10,7 @@ mode runs once, on the small mixed checkpoint where both `moe` and `mlp` plans a
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import subprocess
@@ -19,14 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-try:  # `python -m pytest` from the repo root, or tests/ turned into a package
-    import tests.checkpoints as ckpt
-except ImportError:  # plain `pytest`, or --import-mode=importlib
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import checkpoints as ckpt
-
+import tests.checkpoints as ckpt
 from executor.config import load_config
 from executor.kv_cache import KVCache
 from executor.loader import LoadError, read_checkpoint, remap
@@ -164,7 +158,7 @@ def test_batched_decode_matches_transformers_per_row(checkpoints, exe_mode):
     gen = runner.generate(prompts, NEW_TOKENS)
     assert gen.token_ids == [ckpt.reference_greedy(ref, p, NEW_TOKENS) for p in prompts]
     if exe_mode == "ge_graph":
-        stats = runner.backend.stats()
+        stats = dataclasses.asdict(runner.step.report())
         assert stats["graphs"] == 1 and stats["recompiles"] == 0
 
 
@@ -207,7 +201,7 @@ def test_ge_graph_matches_eager(checkpoints, eager_generation, plan, labels):
     gen = runner.generate([PROMPT], NEW_TOKENS)
     assert gen.token_ids == eager_generation.token_ids
     assert cosine(gen.last_logits, eager_generation.last_logits) > 0.9999
-    stats = runner.backend.stats()
+    stats = dataclasses.asdict(runner.step.report())
     assert stats["graphs"] == 1 and stats["recompiles"] == 0  # fullgraph, static shapes
     assert sorted(s.label for s in runner.plan.scopes) == labels
     scopes = {s["label"]: s for s in stats["scopes"]}

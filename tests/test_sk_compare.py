@@ -21,11 +21,7 @@ import yaml
 from executor.cli import main as cli_main
 from executor.config import load_config
 from executor.logs import decode_average_ms
-
-try:  # `python -m pytest` from the repo root
-    from tests.tool_fixtures import recipe_config
-except ImportError:  # plain `pytest`
-    from tool_fixtures import recipe_config
+from tests.tool_fixtures import recipe_config
 
 REPO = Path(__file__).resolve().parent.parent
 TOOL = REPO / "tools" / "sk_compare.py"
@@ -174,18 +170,8 @@ def test_crashed_side_reported_as_failed_config_identical(tmp_path, user_config,
     )
     rc, _stdout, _err = compare(
         capsys,
-        "--config",
-        str(user_config),
-        "--runs",
-        "2",
-        "--warmup",
-        "1",
-        "--out",
-        str(out),
-        "--cmd-baseline",
-        base_cmd,
-        "--cmd-optimized",
-        "echo 'error: device lost' >&2; false",
+        *("--config", str(user_config), "--out", str(out), "--runs", "2", "--warmup", "1"),
+        *("--cmd-baseline", base_cmd, "--cmd-optimized", "echo 'error: device lost' >&2; false"),
     )
     assert rc == 1
     assert user_config.read_bytes() == before
@@ -211,20 +197,8 @@ def test_eager_config_with_graph_only_override_runs_both_sides_in_ge_graph(tmp_p
     out = tmp_path / "eager"
     rc, _, err = compare(
         capsys,
-        "--config",
-        str(user_config),
-        "--runs",
-        "1",
-        "--warmup",
-        "0",
-        "--out",
-        str(out),
-        "--set",
-        "model_config.enable_cache_compile=true",
-        "--cmd-baseline",
-        log,
-        "--cmd-optimized",
-        log,
+        *("--config", str(user_config), "--out", str(out), "--runs", "1", "--warmup", "0"),
+        *("--set", "model_config.enable_cache_compile=true", "--cmd-baseline", log, "--cmd-optimized", log),
     )
     assert rc == 0, err
     assert user_config.read_bytes() == before

@@ -29,6 +29,8 @@ from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.scalarstring import DoubleQuotedScalarString
 
+from executor.config import ConfigError
+
 __all__ = ["ApplyResult", "apply_changes", "edited_text", "unified_diff", "write_copy"]
 
 
@@ -83,7 +85,7 @@ def _set(data: CommentedMap, dotted: str, value: Any) -> None:
             node[part] = CommentedMap()
         node = node[part]
         if not isinstance(node, Mapping):
-            raise ValueError(f"cannot set {dotted}: {part} is not a section")
+            raise ConfigError(f"cannot set {dotted}: {part} is not a section")
     node[parts[-1]] = _plain_to_yaml(value)
 
 
@@ -94,7 +96,7 @@ def edited_text(text: str, changes: Mapping[str, Any]) -> str:
     if data is None:
         data = CommentedMap()
     if not isinstance(data, Mapping):
-        raise ValueError("config top level is not a mapping of sections")
+        raise ConfigError("config top level is not a mapping of sections")
     for key, value in changes.items():
         _set(data, key, value)
     buf = io.StringIO()
@@ -106,7 +108,7 @@ def write_copy(src: Path, dst: Path, changes: Mapping[str, Any]) -> Path:
     """Write `src` with `changes` applied to `dst`; `src` is only read."""
     src, dst = Path(src), Path(dst)
     if not src.is_file():
-        raise FileNotFoundError(f"config file {src} does not exist")
+        raise ConfigError(f"config file {src} does not exist")
     dst.parent.mkdir(parents=True, exist_ok=True)
     dst.write_text(edited_text(src.read_text(), changes))
     return dst

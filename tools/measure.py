@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from executor import stats
-from executor.arch import REPO_ROOT
 from executor.config import ConfigError, RunConfig, load_config
+from executor.errors import RecipeError
 from executor.logs import LogParseError, parse_log_file
+from executor.paths import REPO_ROOT
 from tools.config_edit import write_copy
 
 INFER_SH = REPO_ROOT / "infer.sh"
@@ -36,7 +37,7 @@ SK_KEY = "model_config.superkernel"
 _KILL_GRACE_S = 5.0  # a child gets this long to exit after SIGTERM before SIGKILL
 
 
-class MeasureError(ValueError):
+class MeasureError(RecipeError):
     """A log or run cannot give the numbers asked for; the message names the file."""
 
 

@@ -22,7 +22,9 @@ import json
 import os
 import sys
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # `python tools/scope_search.py`: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -30,13 +32,15 @@ if __package__ in (None, ""):  # `python tools/scope_search.py`: make the repo i
 import yaml
 
 from executor import stats
-from executor.arch import REPO_ROOT
 from executor.config import ConfigError, load_config
-from executor.platform import detect
+from executor.errors import run_command
+from executor.paths import CONFIGS_DIR, MODELS_DIR, REPO_ROOT, results_dir
+from executor.registry import recipe_parser
 from executor.scope import REGION_KINDS, ScopeError, build_plan, parse_options
 from tools import measure
 from tools.config_edit import apply_changes
 from tools.measure import fmt
+from tools.startup import ToolStart, start
 
 STATUS, REPORT, RESULTS, CSV, CHART = (
     "search_status.json",
@@ -45,27 +49,28 @@ STATUS, REPORT, RESULTS, CSV, CHART = (
     "scope_search.csv",
     "scope_search.png",
 )
-DEFAULT_SPACE = REPO_ROOT / "configs" / "search_space.yaml"
+DEFAULT_SPACE = CONFIGS_DIR / "search_space.yaml"
 FINAL = ("done", "rejected", "failed")
 
 
+USAGE = "python tools/scope_search.py"
+DESCRIPTION = (
+    "Try every SuperKernel scope candidate, reject inaccurate ones, measure the rest and name "
+    "the fastest; report .md/.json/.csv/.png in the model's result directory."
+)
+EPILOG = (
+    "exit codes: 0 winner found, 1 no winner or search unfinished (rerun with the same --out to resume), "
+    "2 bad input, 130 interrupted"
+)
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python tools/scope_search.py",
-        description="Try every SuperKernel scope candidate, reject inaccurate ones, measure the rest and name "
-        "the fastest; report .md/.json/.csv/.png in the model's result directory.",
-        epilog="exit codes: 0 winner found, 1 no winner or search unfinished (rerun with the same --out to resume), "
-        "2 bad input, 130 interrupted",
-    )
-    p.add_argument("--model", default="qwen", help="recipe directory under models/ (default: qwen)")
-    p.add_argument("--config", help="recipe YAML (default: models/<model>/config.yaml); read only unless --apply")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override for every candidate (repeatable)",
+    p = recipe_parser(
+        USAGE,
+        DESCRIPTION,
+        EPILOG,
+        config_help="recipe YAML (default: models/<model>/config.yaml), read only unless --apply; "
+        "--set applies to every candidate",
     )
     p.add_argument("--search-space", help=f"candidate file (default: {DEFAULT_SPACE.relative_to(REPO_ROOT)})")
     p.add_argument("--runs", type=int, default=3, help="measured runs per candidate (default: 3)")
@@ -83,7 +88,7 @@ def parser() -> argparse.ArgumentParser:
 def load_search_space(path: Path) -> dict:
     """Strictly read the search-space file: unknown keys and bad values are errors naming them."""
     if not path.is_file():
-        raise FileNotFoundError(f"search space {path} does not exist")
+        raise ConfigError(f"search space {path} does not exist")
     data = yaml.safe_load(path.read_text()) or {}
     allowed = {"builtin_plans", "option_variants", "custom"}
     for key in data:
@@ -176,7 +181,7 @@ def _save(out: Path, status: dict) -> None:
 def _out_dir(args) -> Path:
     if args.out:
         return Path(args.out).resolve()
-    res = REPO_ROOT / "models" / args.model / "res"
+    res = MODELS_DIR / args.model / "res"
     if args.resume:
         unfinished = [
             p.parent
@@ -186,8 +191,7 @@ def _out_dir(args) -> Path:
         if not unfinished:
             raise ConfigError(f"--resume: no unfinished search under {res}")
         return unfinished[-1]
-    now = datetime.datetime.now()
-    return res / f"{now:%Y-%m-%d}" / f"scope_search_{now:%H%M%S}"
+    return results_dir(args.model, "scope_search")
 
 
 def _open_status(out: Path, signature: dict, progress) -> dict:
@@ -212,18 +216,34 @@ def _open_status(out: Path, signature: dict, progress) -> dict:
 
 
 # ----------------------------------------------------------------------------- one candidate
-def run_candidate(ctx: dict, cand: dict, rec: dict, position: str) -> None:
+@dataclass
+class Search:
+    """What every candidate of one search is run and judged with."""
+
+    start: ToolStart
+    out: Path
+    progress: measure.Progress
+    overrides: list[str]
+    tokens: int  # greedy tokens that must equal the eager run
+    cosine_min: float
+    runs: int
+    warmup: int
+    prompts: list[list[int]] | None = None  # the eager reference's prompt ids and generation
+    ref: Any = None
+
+
+def run_candidate(search: Search, cand: dict, rec: dict, position: str) -> None:
     """Accuracy check, then measurement; every outcome ends up in `rec` (never raises, except Ctrl-C)."""
-    out, progress, name = ctx["out"], ctx["progress"], cand["name"]
+    out, progress, name, st = search.out, search.progress, cand["name"], search.start
     copy = out / "candidates" / f"{_safe(name)}.yaml"
     rec["started"] = datetime.datetime.now().isoformat(timespec="seconds")
     try:
-        changes, rec["config_changes"] = measure.side_changes(ctx["cfg"], cand["superkernel"])
-        ccfg = measure.write_side_config(ctx["config"], copy, changes, ctx["overrides"])
+        changes, rec["config_changes"] = measure.side_changes(st.cfg, cand["superkernel"])
+        ccfg = measure.write_side_config(st.config, copy, changes, search.overrides)
         rec["config_copy"] = str(copy)
-        progress(f"{position} {name}: compile + accuracy check vs eager ({ctx['tokens']} tokens) ...")
-        gen, _, _ = measure.generate_in_process(ctx["runner"], ccfg, ctx["platform"], ctx["tokens"], ctx["prompts"])
-        acc = rec["accuracy"] = measure.check_accuracy(ctx["ref"], gen, ctx["tokens"], ctx["cosine_min"])
+        progress(f"{position} {name}: compile + accuracy check vs eager ({search.tokens} tokens) ...")
+        gen, _, _ = measure.generate_in_process(st.runner, ccfg, st.platform, search.tokens, search.prompts)
+        acc = rec["accuracy"] = measure.check_accuracy(search.ref, gen, search.tokens, search.cosine_min)
         progress(
             f"{position} {name}: accuracy {'ok' if acc['passed'] else 'REJECTED'} ({acc['reason']}; "
             f"cosine {acc['cosine_last_step']:.6f})"
@@ -231,16 +251,9 @@ def run_candidate(ctx: dict, cand: dict, rec: dict, position: str) -> None:
         if not acc["passed"]:
             rec.update(status="rejected", reason=f"accuracy: {acc['reason']}")
             return
-        side = measure.Side(_safe(name), copy, tuple(ctx["overrides"]))
-        runs = measure.measure(
-            ctx["model"],
-            [side],
-            ctx["runs"],
-            ctx["warmup"],
-            out / "logs",
-            progress,
-            ctx["cfg"].scheduler_config.batch_size,
-        )[side.name]
+        side = measure.Side(_safe(name), copy, tuple(search.overrides))
+        batch = st.cfg.scheduler_config.batch_size
+        runs = measure.measure(st.model, [side], search.runs, search.warmup, out / "logs", progress, batch)[side.name]
         rec["runs"] = [r.row() for r in runs]
         rec["summary"] = summary = measure.summarise(runs)
         if summary["step_ms"] is None:
@@ -265,22 +278,19 @@ def run_candidate(ctx: dict, cand: dict, rec: dict, position: str) -> None:
 
 # ----------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    from executor.cli import runner_class
-
+    p = parser()
+    args = p.parse_args(argv)
     if args.runs < 1 or args.warmup < 0 or args.check_tokens < 1 or (args.max_minutes or 0) < 0:
-        raise ValueError("--runs and --check-tokens must be >= 1, --warmup and --max-minutes >= 0")
-    runner = runner_class(args.model)
-    config = Path(args.config).resolve() if args.config else REPO_ROOT / "models" / args.model / "config.yaml"
-    measure.reject_superkernel_overrides(args.overrides, "scope_search")
-    cfg = load_config(config, args.overrides, check=False)  # each side's copy is validated before it runs
-    platform = detect(cfg.model_config.device)
+        p.error("--runs and --check-tokens must be >= 1, --warmup and --max-minutes >= 0")
+    st = start(args, "scope_search")
+    config, cfg, platform = st.config, st.cfg, st.platform
     space_path = Path(args.search_space).resolve() if args.search_space else DEFAULT_SPACE
     space = load_search_space(space_path)
     tokens = min(args.check_tokens, cfg.scheduler_config.max_new_tokens)
     cosine_min = args.cosine_min if args.cosine_min is not None else measure.COSINE_MIN[cfg.model_config.dtype]
     out = _out_dir(args)
     progress = measure.Progress("scope_search")
+    search = Search(st, out, progress, args.overrides, tokens, cosine_min, args.runs, args.warmup)
     # What makes two searches the same one: resuming across a change of any of these would mix results.
     signature = {
         "model": args.model,
@@ -309,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                     "model_config.enable_cache_compile=false",
                 ],
             )
-            ref, regions, prompts = measure.generate_in_process(runner, eager, platform, tokens)
+            search.ref, regions, search.prompts = measure.generate_in_process(st.runner, eager, platform, tokens)
             cands, status["skipped"] = candidates(
                 regions, space, platform.kind, cfg.model_config.superkernel.options, cfg.model_config.model_name
             )
@@ -323,22 +333,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"{len(cands)} candidate(s): {', '.join(c['name'] for c in cands)}; not applicable: "
                 f"{', '.join(s['name'] for s in status['skipped']) or 'none'}; status in {out / STATUS}"
             )
-            ctx = {
-                "out": out,
-                "progress": progress,
-                "cfg": cfg,
-                "config": config,
-                "overrides": args.overrides,
-                "runner": runner,
-                "platform": platform,
-                "tokens": tokens,
-                "prompts": prompts,
-                "ref": ref,
-                "cosine_min": cosine_min,
-                "model": args.model,
-                "runs": args.runs,
-                "warmup": args.warmup,
-            }
             status["state"] = "complete"
             for i, c in enumerate(cands, 1):
                 rec = status["candidates"][c["name"]]
@@ -350,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
                     break
                 rec["status"] = "running"  # a watcher sees which one; a killed job redoes it on resume
                 _save(out, status)
-                run_candidate(ctx, c, rec, f"[{i}/{len(cands)}]")
+                run_candidate(search, c, rec, f"[{i}/{len(cands)}]")
                 _save(out, status)
         except KeyboardInterrupt:
             status["state"] = "interrupted"
@@ -537,6 +531,4 @@ def apply_winner(config: Path, winner: dict) -> None:
 
 
 if __name__ == "__main__":  # the repo root is on sys.path (top of this file)
-    from executor.cli import main as cli_main
-
-    sys.exit(cli_main(["search", *sys.argv[1:]]))
+    sys.exit(run_command(main, sys.argv[1:]))

@@ -27,41 +27,43 @@ if __package__ in (None, ""):  # `python tools/sk_compare.py`: make the repo imp
 
 import pandas as pd
 
-from executor.arch import REPO_ROOT
-from executor.platform import Platform, PlatformError, detect, software_versions
+from executor.errors import run_command
+from executor.paths import results_dir
+from executor.platform import Platform, PlatformError, software_versions
+from executor.registry import recipe_parser
 from tools import measure
 from tools.config_edit import unified_diff
 from tools.measure import RunResult, Side
 from tools.measure import fmt as _f
+from tools.startup import start
 
 REPORT = "superkernel_optimization_report.md"
 SIDES = ("baseline", "optimized")
 
 
+USAGE = "python tools/sk_compare.py"
+DESCRIPTION = (
+    "Measure decode latency with SuperKernel off (baseline) and on (optimized), same config "
+    "otherwise, and write superkernel_optimization_report.md + results.json + runs.csv + plots."
+)
+EPILOG = (
+    "examples:\n  python tools/sk_compare.py --model qwen\n"
+    "  python tools/sk_compare.py --model qwen --plan decoder --runs 5 --set scheduler_config.max_new_tokens=64\n"
+    "  python tools/sk_compare.py --model qwen --from-logs base.log opt.log\n"
+    "exit codes: 0 report written, 1 a side had no successful run, 2 bad input, 130 interrupted"
+)
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python tools/sk_compare.py",
-        description="Measure decode latency with SuperKernel off (baseline) and on (optimized), same config "
-        "otherwise, and write superkernel_optimization_report.md + results.json + runs.csv + plots.",
-        epilog="examples:\n  python tools/sk_compare.py --model qwen\n"
-        "  python tools/sk_compare.py --model qwen --plan decoder --runs 5 --set scheduler_config.max_new_tokens=64\n"
-        "  python tools/sk_compare.py --model qwen --from-logs base.log opt.log\n"
-        "exit codes: 0 report written, 1 a side had no successful run, 2 bad input, 130 interrupted",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = recipe_parser(
+        USAGE,
+        DESCRIPTION,
+        EPILOG,
+        config_help="recipe YAML, only read (default: models/<model>/config.yaml); --set applies to both sides",
     )
-    p.add_argument("--model", default="qwen", help="recipe directory under models/ (default: qwen)")
-    p.add_argument("--config", help="recipe YAML, only read (default: models/<model>/config.yaml)")
     p.add_argument("--runs", type=int, default=3, help="measured runs per side, alternating (default: 3)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up runs per side, not measured (default: 1)")
     p.add_argument("--plan", help="SuperKernel plan of the optimized side (default: the config's plan)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override for both sides (repeatable), e.g. scheduler_config.max_new_tokens=64",
-    )
     p.add_argument("--out", help="output directory (default: models/<model>/res/<date>/sk_compare_<time>/)")
     p.add_argument(
         "--cmd-baseline",
@@ -77,25 +79,16 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    from executor.cli import runner_class
-    from executor.config import load_config
-
+    p = parser()
+    args = p.parse_args(argv)
     if args.runs < 1 or args.warmup < 0:
-        raise ValueError(f"--runs must be >= 1 and --warmup >= 0 (got {args.runs}, {args.warmup})")
-    runner_class(args.model)  # a bad --model is an error before anything else
-    config = Path(args.config).resolve() if args.config else REPO_ROOT / "models" / args.model / "config.yaml"
-    measure.reject_superkernel_overrides(args.overrides, "sk_compare")
-    cfg = load_config(config, args.overrides, check=False)  # each side's copy is validated before it runs
-    platform = detect(cfg.model_config.device)
+        p.error(f"--runs must be >= 1 and --warmup >= 0 (got {args.runs}, {args.warmup})")
+    st = start(args, "sk_compare")
+    config, cfg, platform = st.config, st.cfg, st.platform
     if args.require_a3 and not platform.is_a3:
         raise PlatformError(f"--require-a3: this machine is {platform.describe()}, not an Atlas A3 ({platform.reason})")
     now = datetime.datetime.now()
-    out = (
-        Path(args.out)
-        if args.out
-        else REPO_ROOT / "models" / args.model / "res" / f"{now:%Y-%m-%d}" / f"sk_compare_{now:%H%M%S}"
-    ).resolve()
+    out = (Path(args.out) if args.out else results_dir(args.model, "sk_compare", now)).resolve()
     out.mkdir(parents=True, exist_ok=True)
     progress = measure.Progress("sk_compare")
     notes: dict[str, list[str]] = {}
@@ -124,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _from_log(side: str, path: Path, batch: int) -> RunResult:
     if not path.is_file():
-        raise FileNotFoundError(f"--from-logs: {side} log {path} does not exist")
+        raise measure.MeasureError(f"--from-logs: {side} log {path} does not exist")
     return measure.parse_run(side, 1, path.resolve(), None, batch)  # MeasureError (a ValueError) names the file
 
 
@@ -505,6 +498,4 @@ def render(r: Report) -> str:
 
 
 if __name__ == "__main__":  # the repo root is on sys.path (top of this file)
-    from executor.cli import main as cli_main
-
-    sys.exit(cli_main(["compare", *sys.argv[1:]]))
+    sys.exit(run_command(main, sys.argv[1:]))

@@ -2,7 +2,8 @@
 
 Why one isolated module: `torch_npu` cannot even be imported without the CANN libraries and no
 NPU exists in CI or on developer machines. So this is the ONLY code that touches torch_npu or
-torchair, imported lazily (inside functions, via importlib) once executor.platform found an NPU.
+torchair, imported lazily (inside functions, via importlib) once executor.platform found an NPU
+(npu_probe.py, beside it, answers platform detection's one question: is an NPU usable?).
 It is a thin adapter calling exactly the documented APIs (shared/reference/ascend-apis.md),
 mapping their return tuples onto executor.ops.reference's contracts and nothing more, so that
 tests/test_npu_adapter.py can pin every argument with recording doubles.
@@ -11,7 +12,6 @@ tests/test_npu_adapter.py can pin every argument with recording doubles.
 from __future__ import annotations
 
 import importlib
-import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -20,9 +20,9 @@ import torch
 from torch._dynamo.utils import counters
 
 from executor import ops
-from executor.compile import DEFAULT_CACHE, DecodeBackend, UnsupportedError
+from executor.backends.base import Backend, CompiledStep, EagerBackend, Step, StepReport, UnsupportedError, cache_root
 from executor.config import ModelConfig
-from executor.scope import parse_options, set_scope_impl
+from executor.scope import ScopeFactory, parse_options
 
 INT32_MAX = 2**31 - 1  # FIA pre_tokens/next_tokens "no band limit"; causality comes from the mask
 
@@ -31,28 +31,15 @@ def _torch_npu():
     return importlib.import_module("torch_npu")
 
 
-def probe() -> tuple[object | None, str]:
-    """Import torch_npu if present and usable: (module or None, one-line reason). Used by platform.detect."""
-    if importlib.util.find_spec("torch_npu") is None:
-        return None, "torch_npu not installed"
-    try:
-        mod = importlib.import_module("torch_npu")
-    except Exception as exc:  # typically missing CANN libraries
-        first = (str(exc).splitlines() or [""])[0]
-        return None, f"import torch_npu failed: {type(exc).__name__}: {first}"
-    if not mod.npu.is_available():
-        return None, "torch_npu imported but torch.npu.is_available() = False"
-    return mod, "torch.npu.is_available() = True"
-
-
 def _torchair():
     _torch_npu()  # torchair ships inside torch_npu and is importable only once torch_npu is
     return importlib.import_module("torchair")
 
 
 # --------------------------------------------------------------------------- fused ops
-def install_ops() -> None:
-    """Register the torch_npu op table "npu" and make it active (signatures = executor.ops)."""
+def register_ops() -> None:
+    """Register the torch_npu op table "npu" (signatures = executor.ops); the run's execution
+    context makes it active."""
     tnpu = _torch_npu()
 
     def rms_norm(x, weight, eps):
@@ -126,7 +113,6 @@ def install_ops() -> None:
             "moe_init_routing": moe_init_routing,
         },
     )
-    ops.use("npu")
 
 
 # --------------------------------------------------------------------------- scopes
@@ -160,7 +146,7 @@ class _NpuGraphScope:
 
 
 def scope_factory(mode: str, log: _ScopeLog | None = None) -> Callable[[str, str], AbstractContextManager]:
-    """What `superkernel_scope(True, label, options)` opens on Ascend, for executor.scope.set_scope_impl."""
+    """What `superkernel_scope(True, label, options)` opens on Ascend (installed by executor.scope.scope_impl)."""
     log = log if log is not None else _ScopeLog()
     if mode == "ge_graph":
         open_scope = _torchair().scope.super_kernel
@@ -179,46 +165,28 @@ def scope_factory(mode: str, log: _ScopeLog | None = None) -> Callable[[str, str
 
 
 # --------------------------------------------------------------------------- compiling
-class _TimedStep:
-    """The compiled step; times its first call (= compile) and counts the graphs dynamo builds in
-    it with dynamo's own counter, so the backends stay exactly the documented objects (and a
-    torchair cache hit, which traces nothing, shows graphs == 0)."""
+class NpuStep(CompiledStep):
+    """The compiled step. Graphs are counted with dynamo's own counter, so the backends stay
+    exactly the documented objects (and a torchair cache hit, which traces nothing, shows 0)."""
 
-    def __init__(self, fn: Callable):
-        self.fn, self.calls, self.graphs, self.recompiles, self.compile_s = fn, 0, 0, 0, 0.0
+    def __init__(self, fn: Callable, name: str, mc: ModelConfig, log: _ScopeLog, cache_dir: Path | None):
+        super().__init__(fn, name, count_graphs=lambda: counters["stats"]["unique_graphs"])
+        self.mc, self.log, self.cache_dir = mc, log, cache_dir
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        before = counters["stats"]["unique_graphs"]
-        t0 = time.perf_counter()
-        out = self.fn(input_ids, positions)
-        new = max(0, counters["stats"]["unique_graphs"] - before)
-        if self.calls == 0:
-            self.compile_s = time.perf_counter() - t0
-        else:
-            self.recompiles += new
-        self.graphs, self.calls = self.graphs + new, self.calls + 1
-        return out
-
-
-def _backend(fn: Callable, name: str, mc: ModelConfig, log: _ScopeLog, cache_dir: Path | None) -> DecodeBackend:
-    step = _TimedStep(fn)
-
-    def stats() -> dict:
-        traced = step.graphs > 0
-        return {
-            "compile_s": round(step.compile_s, 3),
-            "graphs": step.graphs,
-            "recompiles": step.recompiles,
-            "cache_dir": str(cache_dir) if cache_dir else None,
-            "cache_enabled": mc.enable_cache_compile,
-            "scopes": [
-                {"label": label, "options": options, "traced": n} for (label, options), n in log.entries.items()
-            ],
+    def report(self) -> StepReport:
+        traced = self.graphs > 0
+        entries = self.log.entries.items()
+        return StepReport(
+            self.name,
+            self.compile_s,
+            self.graphs,
+            self.recompiles,
+            str(self.cache_dir) if self.cache_dir else None,
+            self.mc.enable_cache_compile,
+            [{"label": label, "options": options, "traced": n} for (label, options), n in entries],
             # None = not observable: the graph came from torchair's cache, nothing was traced
-            "superkernel_ran": bool(log.entries) if traced or not mc.enable_cache_compile else None,
-        }
-
-    return DecodeBackend(step, name, stats)
+            superkernel_ran=bool(self.log.entries) if traced or not self.mc.enable_cache_compile else None,
+        )
 
 
 class _StepModule(torch.nn.Module):
@@ -242,26 +210,80 @@ def _module_method(step: Callable) -> Callable:
     return step if isinstance(getattr(step, "__self__", None), torch.nn.Module) else _StepModule(step).decode
 
 
-def compile_ge(step: Callable, model_config: ModelConfig, superkernel: bool) -> DecodeBackend:
-    """torchair GE graph mode: whole decode step, static shapes; SK = torchair.scope.super_kernel."""
+class _NpuGraphBackend(Backend):
+    """What both Ascend graph modes share: the fused-op table, and a log of the scopes traced."""
+
+    op_table = "npu"
+    mode = ""
+
+    def __init__(self, mc: ModelConfig):
+        self.mc, self.superkernel, self.log = mc, mc.superkernel.enable, _ScopeLog()
+
+    def scope_factory(self) -> ScopeFactory | None:
+        return scope_factory(self.mode, self.log) if self.superkernel else None
+
+
+class TorchairGEBackend(_NpuGraphBackend):
+    """exe_mode ge_graph: whole decode step, static shapes; SK = torchair.scope.super_kernel."""
+
+    mode = "ge_graph"
+
+    def __init__(self, mc: ModelConfig):
+        super().__init__(mc)
+        self.name = "torchair_ge+superkernel" if self.superkernel else "torchair_ge"
+
+    def compile(self, step: Step) -> NpuStep:
+        return compile_torchair_ge(step, self.mc, self.log)
+
+
+class NpuGraphExBackend(_NpuGraphBackend):
+    """exe_mode npugraph_ex: aclgraph capture; SK is a post-capture pass over begin/end scopes."""
+
+    mode = "npugraph_ex"
+
+    def __init__(self, mc: ModelConfig):
+        super().__init__(mc)
+        self.name = "npugraph_ex+superkernel" if self.superkernel else "npugraph_ex"
+        if mc.enable_cache_compile:
+            raise UnsupportedError(
+                "enable_cache_compile needs exe_mode ge_graph (torchair.inference.cache_compile); "
+                "npugraph_ex has no documented compile cache"
+            )
+
+    def compile(self, step: Step) -> NpuStep:
+        return compile_npugraph_ex(step, self.mc, self.log)
+
+
+def select_backend(mc: ModelConfig) -> Backend:
+    """The Ascend backend for `mc.exe_mode`; registers the fused-op table first."""
+    register_ops()
+    if mc.exe_mode == "ge_graph":
+        return TorchairGEBackend(mc)
+    if mc.exe_mode == "npugraph_ex":
+        return NpuGraphExBackend(mc)
+    return EagerBackend("npu")
+
+
+def compile_torchair_ge(step: Callable, model_config: ModelConfig, log: _ScopeLog) -> NpuStep:
+    """torchair GE graph mode. Scopes open whatever the active scope implementation is
+    (TorchairGEBackend.scope_factory, installed by the run's execution context)."""
     torchair = _torchair()
     cfg = importlib.import_module("torchair.configs.compiler_config").CompilerConfig()
     cfg.experimental_config.frozen_parameter = True  # parameter addresses fixed across steps
     cfg.experimental_config.tiling_schedule_optimize = True  # static shapes: tiling scheduled on device
     cfg.experimental_config.topology_sorting_strategy = "StableRDFS"
-    log = _ScopeLog()
-    if superkernel:
-        set_scope_impl(scope_factory("ge_graph", log))
+    superkernel = model_config.superkernel.enable
     cache_dir = None
     if model_config.enable_cache_compile:
-        cache_dir = Path(model_config.cache_dir).expanduser() if model_config.cache_dir else DEFAULT_CACHE / "torchair"
+        cache_dir = cache_root(model_config) / "torchair"
         fn = torchair.inference.cache_compile(
             _module_method(step), config=cfg, cache_dir=str(cache_dir), dynamic=False, fullgraph=True, ge_cache=True
         )
     else:
         backend = torchair.get_npu_backend(compiler_config=cfg)
         fn = torch.compile(step, backend=backend, dynamic=False, fullgraph=True)
-    return _backend(fn, "torchair_ge+superkernel" if superkernel else "torchair_ge", model_config, log, cache_dir)
+    name = "torchair_ge+superkernel" if superkernel else "torchair_ge"
+    return NpuStep(fn, name, model_config, log, cache_dir)
 
 
 def _npugraph_sk_options(mc: ModelConfig) -> dict:
@@ -283,19 +305,13 @@ def _npugraph_sk_options(mc: ModelConfig) -> dict:
     return {"stream_fusion": fusion.pop()}
 
 
-def compile_npugraph_ex(step: Callable, model_config: ModelConfig, superkernel: bool) -> DecodeBackend:
+def compile_npugraph_ex(step: Callable, model_config: ModelConfig, log: _ScopeLog) -> NpuStep:
     """aclgraph capture via the npugraph_ex backend; SK is a post-capture pass over begin/end scopes."""
     _torch_npu()  # registers the "npugraph_ex" dynamo backend
-    if model_config.enable_cache_compile:
-        raise UnsupportedError(
-            "enable_cache_compile needs exe_mode ge_graph (torchair.inference.cache_compile); "
-            "npugraph_ex has no documented compile cache"
-        )
+    superkernel = model_config.superkernel.enable
     options: dict = {"frozen_parameter": True, "static_kernel_compile": True}  # SK needs static kernels
-    log = _ScopeLog()
     if superkernel:
         options["super_kernel_optimize"] = True
         options["super_kernel_optimize_options"] = _npugraph_sk_options(model_config)
-        set_scope_impl(scope_factory("npugraph_ex", log))
     fn = torch.compile(step, backend="npugraph_ex", fullgraph=True, dynamic=False, options=options)
-    return _backend(fn, "npugraph_ex+superkernel" if superkernel else "npugraph_ex", model_config, log, None)
+    return NpuStep(fn, "npugraph_ex+superkernel" if superkernel else "npugraph_ex", model_config, log, None)
