@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 from executor.errors import run_command
-from executor.paths import REPO_ROOT
-from executor.registry import default_config, recipe_parser, runner_class
+from executor.paths import REPO_ROOT, claim_output_dir
+from executor.registry import config_path, recipe_parser, runner_class
 
 USAGE = "bash infer.sh"
 DESCRIPTION = (
@@ -23,13 +23,14 @@ DESCRIPTION = (
 )
 EPILOG = (
     "examples:\n  bash infer.sh\n  bash infer.sh --set model_config.exe_mode=ge_graph "
-    "--set model_config.superkernel.enable=true --set model_config.superkernel.plan=attention\n"
+    "--set model_config.enable_superkernel=true --set model_config.superkernel.plan=attention\n"
+    "  bash infer.sh --model qwen --yaml qwen3_8b_1tp.yaml --set model_config.model_path=/data/Qwen3-8B\n"
     "  bash infer.sh --model qwen --config my.yaml --set scheduler_config.max_new_tokens=32 --out /tmp/run"
 )
 
 
 def run_parser() -> argparse.ArgumentParser:
-    p = recipe_parser(USAGE, DESCRIPTION, EPILOG, config_help="recipe YAML (default: models/<model>/config.yaml)")
+    p = recipe_parser(USAGE, DESCRIPTION, EPILOG, config_help="a recipe YAML anywhere (instead of --yaml)")
     p.add_argument("--out", help="output directory (default: models/<model>/res/<date>/<case>/)")
     return p
 
@@ -41,18 +42,19 @@ def cmd_run(argv: list[str]) -> int:
     from executor.runner import default_out_dir
 
     runner_cls = runner_class(args.model)
-    config = Path(args.config) if args.config else default_config(args.model)
+    config = config_path(args.model, args.yaml, args.config)
     cfg = load_config(config, args.overrides)
     platform = detect(cfg.model_config.device)
-    out = Path(args.out) if args.out else default_out_dir(cfg, args.model)
-    out.mkdir(parents=True, exist_ok=True)
-    log_file = (out / "infer.log").open("w")
-    stream = _Tee(sys.stdout, log_file)
-    runner = runner_cls(cfg, platform, out, stream)
-    metrics = runner.run()
-    sk = metrics["superkernel"]
-    stream.write(f"[run] superkernel requested={sk['requested']} ran={sk['ran']} plan={sk['plan']}; results in {out}\n")
-    stream.flush()
+    out = Path(args.out or cfg.model_config.output_path or default_out_dir(cfg, args.model))
+    where = "--out" if args.out else "model_config.output_path"
+    with claim_output_dir(out, "metrics.json", where), (out / "infer.log").open("w") as log_file:
+        stream = _Tee(sys.stdout, log_file)
+        metrics = runner_cls(cfg, platform, out, stream).run()
+        sk = metrics["superkernel"]
+        stream.write(
+            f"[run] superkernel requested={sk['requested']} ran={sk['ran']} plan={sk['plan']}; results in {out}\n"
+        )
+        stream.flush()
     return 0
 
 

@@ -7,8 +7,13 @@ as cann-recipes-infer does.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
+from collections.abc import Iterator
 from pathlib import Path
+
+from executor.errors import RecipeError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODELS_DIR = REPO_ROOT / "models"
@@ -19,3 +24,38 @@ def results_dir(recipe: str, case: str, now: datetime.datetime | None = None) ->
     """`models/<recipe>/res/<YYYY-MM-DD>/<case>_<HHMMSS>/`: the default output of a run or tool."""
     now = now or datetime.datetime.now()
     return MODELS_DIR / recipe / "res" / f"{now:%Y-%m-%d}" / f"{case}_{now:%H%M%S}"
+
+
+class OutputDirError(RecipeError):
+    """An output directory that cannot be used: a file, not writable, or another run's results."""
+
+
+@contextlib.contextmanager
+def claim_output_dir(out: Path, results: str, option: str = "--out") -> Iterator[Path]:
+    """Create `out` and hold it for one command while the `with` block runs.
+
+    A directory that already holds a finished run's `results` file is refused, so two runs
+    given the same --out never overwrite each other's results; one that another live process is
+    writing to is refused too (an flock on `out/.lock`, released when the command ends, also if
+    it crashes). A run that failed before writing its results leaves the directory usable."""
+    if out.exists() and not out.is_dir():
+        raise OutputDirError(f"{option} {out} is a file, not a directory")
+    if (out / results).exists():
+        raise OutputDirError(
+            f"{option} {out} already holds a run ({results} exists); choose another directory or remove that one"
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        lock = open(out / ".lock", "w")  # noqa: SIM115 (held until the block ends)
+    except OSError as exc:
+        raise OutputDirError(f"{option} {out} cannot be written ({exc.strerror})") from None
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputDirError(
+                f"{option} {out} is in use by another run right now; choose another directory"
+            ) from None
+        yield out
+    finally:
+        lock.close()

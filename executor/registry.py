@@ -1,8 +1,10 @@
-"""The recipe registry: which recipes exist and how to build a recipe's runner.
+"""The recipe registry: which recipes exist, their YAMLs, and how to build a recipe's runner.
 
-A recipe is a directory `models/<name>/` with a default `config.yaml` and a
-`models/runner_<name>.py` that defines `RUNNER`. The CLI and the tools (sk_compare,
-scope_search, benchmarks) all look recipes up here, so none of them imports another.
+A recipe is a directory `models/<name>/` laid out as in cann-recipes-infer: `config/*.yaml`
+named by topology or purpose (`builtin.yaml`, the default, runs the recipe's built-in model;
+`qwen3_8b_1tp.yaml` ... are upstream-shaped), and `models/runner_<name>.py` defining `RUNNER`.
+The CLI and the tools (sk_compare, scope_search, benchmarks) all look recipes up here, so none
+of them imports another.
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ import importlib
 import sys
 from pathlib import Path
 
-from executor.config import ConfigError
+from executor.config import BUILTIN, ConfigError
 from executor.paths import MODELS_DIR, REPO_ROOT
+
+DEFAULT_YAML = "builtin.yaml"  # every recipe's default: its built-in model, optimized, runs on CPU
 
 
 def recipes() -> list[str]:
-    """Recipe names, sorted (directories of models/ that have a default config.yaml)."""
-    return sorted(p.parent.name for p in MODELS_DIR.glob("*/config.yaml"))
+    """Recipe names, sorted (directories of models/ with a config/builtin.yaml)."""
+    return sorted(p.parent.parent.name for p in MODELS_DIR.glob(f"*/config/{DEFAULT_YAML}"))
 
 
 def _check(recipe: str) -> None:
@@ -26,10 +30,38 @@ def _check(recipe: str) -> None:
         raise ConfigError(f"--model: {recipe!r} is not a recipe; allowed values: {', '.join(recipes())}")
 
 
-def default_config(recipe: str) -> Path:
-    """The recipe's default YAML."""
+def yamls(recipe: str) -> list[str]:
+    """The YAML files of models/<recipe>/config/, sorted."""
     _check(recipe)
-    return MODELS_DIR / recipe / "config.yaml"
+    return sorted(p.name for p in (MODELS_DIR / recipe / "config").glob("*.yaml"))
+
+
+def config_path(recipe: str, yaml_name: str | None = None, config: str | None = None) -> Path:
+    """The YAML a command runs: `--config PATH` (anywhere), else `--yaml NAME` of the recipe's
+    config/ directory, else its builtin.yaml."""
+    _check(recipe)
+    if config and yaml_name:
+        raise ConfigError(f"--config {config} and --yaml {yaml_name}: give one of them")
+    if config:
+        return Path(config)
+    name = yaml_name or DEFAULT_YAML
+    name = name if name.endswith((".yaml", ".yml")) else f"{name}.yaml"
+    path = MODELS_DIR / recipe / "config" / name
+    if not path.is_file():
+        raise ConfigError(
+            f"--yaml {yaml_name}: models/{recipe}/config/ has no such file; it has: {', '.join(yamls(recipe))}"
+        )
+    return path
+
+
+def default_config(recipe: str) -> Path:
+    """The recipe's default YAML (config/builtin.yaml)."""
+    return config_path(recipe)
+
+
+def resolve_model_path(recipe: str, model_path: str) -> str:
+    """`model_path: builtin` is the recipe's trained checkpoint in models/<recipe>/builtin/."""
+    return str(MODELS_DIR / recipe / "builtin") if model_path == BUILTIN else model_path
 
 
 def runner_class(recipe: str) -> type:
@@ -47,7 +79,8 @@ def recipe_parser(prog: str, description: str, epilog: str, config_help: str) ->
         prog=prog, description=description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--model", default="qwen", help=f"recipe (default: qwen; one of: {', '.join(recipes())})")
-    p.add_argument("--config", help=config_help)
+    p.add_argument("--yaml", metavar="NAME", help="a YAML of models/<model>/config/ (default: builtin.yaml)")
+    p.add_argument("--config", metavar="PATH", help=config_help)
     p.add_argument(
         "--set",
         dest="overrides",

@@ -35,10 +35,12 @@ from executor.backends.base import Backend, CompiledStep
 from executor.compile import select_backend
 from executor.config import ConfigError, RunConfig, to_dict
 from executor.context import ExecutionContext
+from executor.datasets import load_prompts
 from executor.kv_cache import KVCache
 from executor.loader import init_random, load_weights
 from executor.paths import results_dir
 from executor.platform import Platform, software_versions, timer
+from executor.registry import resolve_model_path
 from executor.scope import NO_PLAN, PREFILL_SCOPES, ScopePlan, ScopeRunner, build_plan
 from executor.tokenizer import BUILTIN_TOKENIZER, Tokenizer, TokenizerError
 
@@ -79,7 +81,8 @@ class ModelRunner:
         mc = cfg.model_config
         self.name, self.dtype = mc.model_name, DTYPES[mc.dtype]
         self.device = torch.device(platform.kind)
-        self.arch = load_arch(mc.model_path, mc.debug_size)
+        self.model_path = resolve_model_path(self.recipe, mc.model_path)
+        self.arch = load_arch(self.model_path, mc.debug_size)
         if self.model_types and self.arch.model_type not in self.model_types:
             raise ArchError(
                 f"{self.arch.source}: model_type {self.arch.model_type!r} does not belong to the "
@@ -89,17 +92,20 @@ class ModelRunner:
         self.use_backend(select_backend(mc, platform))
         self.model = self.build_model(self.arch).to(self.dtype)
         if mc.with_ckpt:
-            load_weights(self.model, mc.model_path, self.dtype, self.remap_weights)
+            load_weights(self.model, self.model_path, self.dtype, self.remap_weights)
         else:
             init_random(self.model, mc.seed)
         self.model.to(self.device).eval()
         self.tokenizer = Tokenizer.from_file(self._tokenizer_path())
         sk = mc.superkernel
         self.plan: ScopePlan = (
-            build_plan(self.model.regions(), sk.plan, sk.options, sk.custom, mc.model_name) if sk.enable else NO_PLAN
+            build_plan(self.model.regions(), sk.plan, sk.options, sk.custom, mc.model_name)
+            if mc.superkernel_enabled
+            else NO_PLAN
         )
         self.decode_scopes = ScopeRunner(self.plan, active=True)
         self.cache: KVCache | None = None
+        self.truncation: list[dict] = []  # per row: prompt tokens given and kept, set by encode_prompts
         self.now = timer(platform)
 
     def use_backend(self, backend: Backend) -> None:
@@ -112,10 +118,10 @@ class ModelRunner:
         mc = self.cfg.model_config
         if mc.tokenizer_path:
             return Path(mc.tokenizer_path)
-        if mc.model_path and (Path(mc.model_path) / "tokenizer.json").is_file():
-            return Path(mc.model_path) / "tokenizer.json"
-        if mc.model_path and mc.with_ckpt:
-            raise TokenizerError(f"{mc.model_path}: tokenizer.json not found (set model_config.tokenizer_path)")
+        if self.model_path and (Path(self.model_path) / "tokenizer.json").is_file():
+            return Path(self.model_path) / "tokenizer.json"
+        if self.model_path and mc.with_ckpt:
+            raise TokenizerError(f"{self.model_path}: tokenizer.json not found (set model_config.tokenizer_path)")
         return Path(BUILTIN_TOKENIZER)
 
     # ------------------------------------------------------------------ model steps
@@ -123,15 +129,7 @@ class ModelRunner:
         print(line, file=self.stream, flush=True)
 
     def prompts(self) -> list[str]:
-        dc = self.cfg.data_config
-        prompts = list(dc.prompts)
-        if dc.dataset:
-            path = Path(dc.dataset)
-            if not path.is_file():
-                raise ConfigError(f"data_config.dataset: {path} does not exist")
-            prompts = [line for line in path.read_text().splitlines() if line.strip()]
-        b = self.cfg.scheduler_config.batch_size
-        return [prompts[i % len(prompts)] for i in range(b)]
+        return load_prompts(self.cfg.data_config, self.cfg.scheduler_config.batch_size)
 
     def _decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(B, 1) tokens at (B, 1) positions -> (B, V) logits. The function that gets compiled."""
@@ -144,7 +142,7 @@ class ModelRunner:
         The cache is sized from config only, so every call has the same shapes (no recompiles).
         Reusing it is safe: each slot a query can see is rewritten by prefill before it is read."""
         if self.cache is None or self.cache.k[0].shape[0] != batch:
-            max_len = self.cfg.data_config.input_max_len + self.cfg.scheduler_config.max_new_tokens
+            max_len = self.cfg.data_config.input_truncated_len + self.cfg.scheduler_config.max_new_tokens
             self.cache = KVCache(
                 len(self.model.layers),
                 batch,
@@ -158,17 +156,40 @@ class ModelRunner:
             self.step = self.backend.compile(self._decode_step)
 
     def prefill(self, prompt_ids: list[list[int]]) -> Prefill:
-        """Run the right-padded prompts through the model eagerly, outside any scope."""
-        b = len(prompt_ids)
+        """Run the right-padded prompts through the model eagerly, outside any scope; with
+        `max_prefill_tokens`, in consecutive groups of rows of at most that many prompt tokens."""
         lengths = torch.tensor([len(p) for p in prompt_ids], device=self.device)
-        ids = torch.zeros(b, int(lengths.max()), dtype=torch.long, device=self.device)  # (B, S) right-padded
+        t0 = self.now()
+        logits = [self._prefill_rows(prompt_ids, a, b) for a, b in self._prefill_groups(prompt_ids)]
+        return Prefill(torch.cat(logits), lengths, (self.now() - t0) * 1e3)
+
+    def _prefill_groups(self, prompt_ids: list[list[int]]) -> list[tuple[int, int]]:
+        """[start, stop) row ranges; one range unless scheduler_config.max_prefill_tokens > 0."""
+        limit = self.cfg.scheduler_config.max_prefill_tokens
+        if limit <= 0:
+            return [(0, len(prompt_ids))]
+        groups, start, used = [], 0, 0
         for i, p in enumerate(prompt_ids):
+            if len(p) > limit:
+                raise ConfigError(
+                    f"scheduler_config.max_prefill_tokens: prompt {i} has {len(p)} tokens, more than the limit {limit} "
+                    "(raise the limit or lower data_config.input_truncated_len)"
+                )
+            if used + len(p) > limit:
+                groups.append((start, i))
+                start, used = i, 0
+            used += len(p)
+        return [*groups, (start, len(prompt_ids))]
+
+    def _prefill_rows(self, prompt_ids: list[list[int]], start: int, stop: int) -> torch.Tensor:
+        rows = prompt_ids[start:stop]
+        lengths = torch.tensor([len(p) for p in rows], device=self.device)
+        ids = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long, device=self.device)  # (b, S) right-padded
+        for i, p in enumerate(rows):
             ids[i, : len(p)] = torch.tensor(p)
         positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
-        t0 = self.now()
-        hidden = self.model(ids, positions, self.cache, PREFILL_SCOPES)
-        logits = self.model.logits(hidden[torch.arange(b), lengths - 1])
-        return Prefill(logits, lengths, (self.now() - t0) * 1e3)
+        hidden = self.model(ids, positions, self.cache.rows(start, stop), PREFILL_SCOPES)
+        return self.model.logits(hidden[torch.arange(len(rows)), lengths - 1])  # (b, V)
 
     def decode_one(self, token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One compiled decode step: (B, 1) tokens at (B, 1) positions -> (B, V) logits."""
@@ -207,11 +228,20 @@ class ModelRunner:
         return Generation(prompt_ids, tokens, pre.ms, step_ms, pre.logits, logits)
 
     def encode_prompts(self) -> list[list[int]]:
-        limit = self.cfg.data_config.input_max_len
-        encoded = [self.tokenizer.encode(p)[-limit:] for p in self.prompts()]
-        if any(not e for e in encoded):
+        """Token ids per row, each cut to its last `input_truncated_len` tokens; a cut is logged
+        and kept in `self.truncation` for metrics.json, never silent."""
+        limit = self.cfg.data_config.input_truncated_len
+        full = [self.tokenizer.encode(p) for p in self.prompts()]
+        if any(not e for e in full):
             raise ConfigError("data_config.prompts: a prompt encodes to zero tokens")
-        return encoded
+        self.truncation = [{"row": i, "given": len(e), "kept": min(len(e), limit)} for i, e in enumerate(full)]
+        for t in self.truncation:
+            if t["given"] > t["kept"]:
+                self.log(
+                    f"[run] prompt {t['row']}: {t['given']} tokens, kept the last {t['kept']} "
+                    "(data_config.input_truncated_len)"
+                )
+        return [e[-limit:] for e in full]
 
     # ------------------------------------------------------------------ the whole run
     def run(self) -> dict:
@@ -220,7 +250,7 @@ class ModelRunner:
         self.log(
             f"[run] {mc.model_name}: {self.arch.model_type} from {self.arch.source}, "
             f"{'checkpoint' if mc.with_ckpt else 'random'} weights, {mc.dtype}, platform {self.platform.describe()}, "
-            f"exe_mode {mc.exe_mode}, superkernel {'plan ' + self.plan.name if mc.superkernel.enable else 'off'}"
+            f"exe_mode {mc.exe_mode}, superkernel {'plan ' + self.plan.name if mc.superkernel_enabled else 'off'}"
         )
         # Warm-up on the same shapes: compiles the decode step (idempotent: same tokens, same slots).
         t0 = self.now()
@@ -272,7 +302,7 @@ class ModelRunner:
             if self.platform.kind == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         )
-        ran = bool(report.superkernel_ran) and mc.superkernel.enable
+        ran = bool(report.superkernel_ran) and mc.superkernel_enabled
         return {
             "model_name": mc.model_name,
             "recipe": self.recipe,
@@ -289,7 +319,7 @@ class ModelRunner:
             "dtype": mc.dtype,
             "ops": ops.implementations(self.context.op_table),
             "superkernel": {
-                "requested": mc.superkernel.enable,
+                "requested": mc.superkernel_enabled,
                 "ran": ran,
                 "plan": self.plan.name,
                 "options": mc.superkernel.options,
@@ -306,6 +336,7 @@ class ModelRunner:
             "tokens_per_s": tps,
             "peak_memory_mb": round(peak, 1),
             "prompt_token_ids": gen.prompt_ids,
+            "prompt_truncation": self.truncation,  # tokens given / kept per row (data_config.input_truncated_len)
             "generated_token_ids": gen.token_ids,
             "text": texts,
             "config": to_dict(self.cfg),
@@ -330,4 +361,4 @@ def write_scope_report(out_dir: Path, sk: dict) -> None:
 
 def default_out_dir(cfg: RunConfig, recipe: str) -> Path:
     mc = cfg.model_config
-    return results_dir(recipe, f"{mc.exe_mode}_{'sk-' + mc.superkernel.plan if mc.superkernel.enable else 'nosk'}")
+    return results_dir(recipe, f"{mc.exe_mode}_{'sk-' + mc.superkernel.plan if mc.superkernel_enabled else 'nosk'}")

@@ -63,9 +63,9 @@ def parse_options(options: str, key: str = "superkernel.options") -> dict[str, s
         elif name == "strict-scope-check":
             ok = value in ("bypass", "abort")
         elif name.startswith("dcci-"):
-            ok = all(part.strip().isidentifier() for part in value.split(","))
+            ok = all(part.strip().isascii() and part.strip().isidentifier() for part in value.split(","))
         elif name.startswith("debug-"):
-            ok = value.isdigit() and int(value) > 0
+            ok = value.isascii() and value.isdigit() and int(value) > 0  # "²".isdigit() is True
         if not ok:
             raise ScopeError(f"{key}: {name}={value!r} is not allowed; {name} takes {OPTIONS[name]}")
         parsed[name] = value

@@ -36,23 +36,23 @@ GRAPH = ["model_config.exe_mode=ge_graph"]
 CONFIGS = {  # name -> (overrides, expected scope labels)
     "ge_graph": (GRAPH, set()),
     "sk_attention": (
-        GRAPH + ["model_config.superkernel.enable=true", "model_config.superkernel.plan=attention"],
+        GRAPH + ["model_config.enable_superkernel=true", "model_config.superkernel.plan=attention"],
         {"layer_0_attn", "layer_1_attn"},
     ),
     "sk_mlp": (
-        GRAPH + ["model_config.superkernel.enable=true", "model_config.superkernel.plan=mlp"],
+        GRAPH + ["model_config.enable_superkernel=true", "model_config.superkernel.plan=mlp"],
         {"layer_0_mlp", "layer_1_mlp"},
     ),
     "sk_layer": (
-        GRAPH + ["model_config.superkernel.enable=true", "model_config.superkernel.plan=layer"],
+        GRAPH + ["model_config.enable_superkernel=true", "model_config.superkernel.plan=layer"],
         {"layer_0", "layer_1"},
     ),
     "sk_decoder": (
-        GRAPH + ["model_config.superkernel.enable=true", "model_config.superkernel.plan=decoder"],
+        GRAPH + ["model_config.enable_superkernel=true", "model_config.superkernel.plan=decoder"],
         {"decode_layers"},
     ),
     "sk_custom": (
-        GRAPH + ["model_config.superkernel.enable=true", "model_config.superkernel.plan=custom", CUSTOM],
+        GRAPH + ["model_config.enable_superkernel=true", "model_config.superkernel.plan=custom", CUSTOM],
         {"attn_all", "mlp_last"},
     ),
 }
@@ -271,7 +271,7 @@ def test_enable_cache_compile_second_run_compiles_faster(tmp_path, qwen3_ckpt):
                 "--set",
                 "scheduler_config.max_new_tokens=4",
                 "--set",
-                "data_config.input_max_len=16",
+                "data_config.input_truncated_len=16",
                 "--out",
                 str(out),
             ],

@@ -77,7 +77,7 @@ def _stats(step) -> dict:
 
 
 def _sk_off(mc: ModelConfig) -> ModelConfig:
-    return dataclasses.replace(mc, superkernel=dataclasses.replace(mc.superkernel, enable=False))
+    return dataclasses.replace(mc, enable_superkernel=False)
 
 
 def _only(recorder, name):
@@ -258,7 +258,8 @@ def _setup(plan_name: str = "attention", options: str = "stream-fusion=1", **mc_
     tiny = TinyDecode(plan, state=tiny.model.state_dict())
     mc = ModelConfig(
         exe_mode=mc_fields.pop("exe_mode", "ge_graph"),
-        superkernel=SuperKernelConfig(enable=True, plan=plan_name, options=options),
+        enable_superkernel=True,
+        superkernel=SuperKernelConfig(plan=plan_name, options=options),
         **mc_fields,
     )
     return tiny, mc
@@ -394,9 +395,10 @@ def test_compile_npugraph_ex_without_superkernel_has_no_sk_keys(npu_ops, doubles
     ],
 )
 def test_compile_npugraph_ex_refuses_options_it_cannot_honour(doubles, options, custom):
-    sk = SuperKernelConfig(enable=True, plan="custom" if custom else "attention", options=options, custom=custom)
+    sk = SuperKernelConfig(plan="custom" if custom else "attention", options=options, custom=custom)
     with pytest.raises(UnsupportedError, match="feed-sync-all" if not custom else "disagree"):
-        npu.NpuGraphExBackend(ModelConfig(exe_mode="npugraph_ex", superkernel=sk)).compile(lambda a, b: a)
+        mc = ModelConfig(exe_mode="npugraph_ex", enable_superkernel=True, superkernel=sk)
+        npu.NpuGraphExBackend(mc).compile(lambda a, b: a)
     assert not doubles.torch_npu.named("npugraph_ex_backend")
 
 
@@ -416,7 +418,7 @@ def test_select_backend_npu_branch(doubles):
     tiny.run(run, steps=1)
     assert backend.name == "torchair_ge+superkernel" and _stats(step)["superkernel_ran"] is True
     assert [s["label"] for s in _stats(step)["scopes"]] == ["layer_0_attn", "layer_1_attn"]
-    eager = select_backend(dataclasses.replace(mc, exe_mode="eager", superkernel=SuperKernelConfig()), A3)
+    eager = select_backend(dataclasses.replace(mc, exe_mode="eager", enable_superkernel=False), A3)
     assert isinstance(eager, EagerBackend) and eager.op_table == "npu"
 
 
@@ -428,7 +430,7 @@ def test_cache_compile_takes_the_real_runner_decode_step(doubles, qwen3_ckpt, ma
         "model_config.exe_mode=ge_graph",
         "model_config.enable_cache_compile=true",
         f"model_config.cache_dir={tmp_path}",
-        "model_config.superkernel.enable=true",
+        "model_config.enable_superkernel=true",
         "model_config.superkernel.plan=layer",
         max_new_tokens=4,
     )

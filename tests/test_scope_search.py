@@ -126,13 +126,14 @@ def test_dense_search_resumes_ranks_and_applies_the_winner(dense_search):
     after = config.read_text()
     backups = list(dense_search.tmp.glob("recipe.yaml.bak-*"))
     assert len(backups) == 1 and backups[0].read_text() == before
-    sk = yaml.safe_load(after)["model_config"]["superkernel"]
-    assert sk["enable"] is True
-    assert sk["plan"] == recs[winner]["superkernel"]["plan"]
+    mc = yaml.safe_load(after)["model_config"]
+    assert mc["enable_superkernel"] is True
+    assert mc["superkernel"]["plan"] == recs[winner]["superkernel"]["plan"]
     assert "# the configured plan" in after and "# one cache for the whole test session" in after
-    assert "--- " in stdout and "+    enable: true" in stdout
+    assert "--- " in stdout and "+  enable_superkernel: true" in stdout
     a, b = yaml.safe_load(after), yaml.safe_load(before)
-    a["model_config"].pop("superkernel"), b["model_config"].pop("superkernel")
+    for side in (a, b):
+        side["model_config"].pop("superkernel"), side["model_config"].pop("enable_superkernel")
     assert a == b
 
 
@@ -214,7 +215,7 @@ def test_bad_search_space_and_overrides_exit_2(tmp_path, shared_dir, capsys):
         rc, _, err = search(capsys, "--config", str(config), "--search-space", str(space), "--out", str(tmp_path / "o"))
         assert rc == 2 and err.startswith("error:") and word in err, (text, err)
     rc, _, err = search(capsys, "--config", str(config), "--set", "model_config.superkernel.plan=layer")
-    assert rc == 2 and "scope_search sets model_config.superkernel" in err
+    assert rc == 2 and "scope_search sets the SuperKernel switch" in err and "search space" in err
     rc, _, err = search(capsys, "--model", "nope")
     assert rc == 2 and "nope" in err
     assert not (tmp_path / "o").exists()
@@ -222,28 +223,27 @@ def test_bad_search_space_and_overrides_exit_2(tmp_path, shared_dir, capsys):
 
 def test_apply_changes_restores_on_refusal_and_keeps_comments(tmp_path):
     path = tmp_path / "c.yaml"
-    original = '# top comment\nmodel_config:\n  exe_mode: "eager"   # modes\n  superkernel:\n    enable: false  # sk\n'
+    original = '# top comment\nmodel_config:\n  exe_mode: "eager"   # modes\n  enable_superkernel: false  # sk\n'
     path.write_text(original)
 
     def refuse(p: Path):
-        assert yaml.safe_load(p.read_text())["model_config"]["superkernel"]["enable"] is True
+        assert yaml.safe_load(p.read_text())["model_config"]["enable_superkernel"] is True
         raise ValueError("refused")
 
     with pytest.raises(ValueError, match="refused"):
-        apply_changes(path, {"model_config.superkernel.enable": True}, validate=refuse)
+        apply_changes(path, {"model_config.enable_superkernel": True}, validate=refuse)
     assert path.read_text() == original
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp") or ".check." in p.name]
     res = apply_changes(
         path,
         {
-            "model_config.superkernel.enable": True,
+            "model_config.enable_superkernel": True,
             "model_config.superkernel.custom": [{"regions": ["layer_*_m??"], "label": "ffn"}],
         },
     )
     new = path.read_text()
     assert "# top comment" in new and "# modes" in new and "# sk" in new
-    assert yaml.safe_load(new)["model_config"]["superkernel"] == {
-        "enable": True,
-        "custom": [{"regions": ["layer_*_m??"], "label": "ffn"}],
-    }
-    assert res.backup.read_text() == original and "+    enable: true" in res.diff
+    mc = yaml.safe_load(new)["model_config"]
+    assert mc["enable_superkernel"] is True
+    assert mc["superkernel"] == {"custom": [{"regions": ["layer_*_m??"], "label": "ffn"}]}
+    assert res.backup.read_text() == original and "+  enable_superkernel: true" in res.diff

@@ -79,9 +79,16 @@ def test_end_to_end_both_sides_run(tmp_path, user_config, capsys):
     }
     # the copies differ only in the SuperKernel keys and keep the user's comments
     base, opt = (yaml.safe_load((out / f"{s}.yaml").read_text()) for s in ("baseline", "optimized"))
-    assert base["model_config"]["superkernel"] == {"enable": False, "plan": "attention"}
-    assert opt["model_config"]["superkernel"] == {"enable": True, "plan": "decoder"}
-    base.pop("model_config"), opt.pop("model_config")
+    assert (base["model_config"]["enable_superkernel"], base["model_config"]["superkernel"]) == (
+        False,
+        {"plan": "attention"},
+    )
+    assert (opt["model_config"]["enable_superkernel"], opt["model_config"]["superkernel"]) == (
+        True,
+        {"plan": "decoder"},
+    )
+    for side in (base, opt):
+        side["model_config"].pop("enable_superkernel"), side["model_config"].pop("superkernel")
     assert base == opt
     assert "# the configured plan" in (out / "optimized.yaml").read_text()
     report = (out / "superkernel_optimization_report.md").read_text()
@@ -252,8 +259,11 @@ def test_from_logs_upstream_format(tmp_path, user_config, capsys):
     assert checks["prefill and decode are separate"] == "PASS"
     assert checks["SuperKernel really ran in the optimized runs"] == "WARN"
     opt.write_text("qwen3_8b average inference time cost is 8.00 ms\n")  # no prefill line
-    rc, _, _ = compare(capsys, "--config", str(user_config), "--from-logs", str(base), str(opt), "--out", str(out))
-    checks = {c["item"]: c["status"] for c in json.loads((out / "results.json").read_text())["checklist"]}
+    rc, _, err = compare(capsys, "--config", str(user_config), "--from-logs", str(base), str(opt), "--out", str(out))
+    assert rc == 2 and "already holds a run" in err  # a comparison never overwrites another one's results
+    out2 = tmp_path / "parsed_again"
+    rc, _, _ = compare(capsys, "--config", str(user_config), "--from-logs", str(base), str(opt), "--out", str(out2))
+    checks = {c["item"]: c["status"] for c in json.loads((out2 / "results.json").read_text())["checklist"]}
     assert rc == 0 and checks["prefill and decode are separate"] == "WARN"
 
 
@@ -270,7 +280,7 @@ def test_error_paths_exit_2(tmp_path, user_config, capsys):
     assert rc == 2 and str(no_timing) in err and "no decode timing" in err
     rc, _, err = compare(capsys, "--model", "no_such_model")
     assert rc == 2 and "no_such_model" in err and "qwen" in err
-    rc, _, err = compare(capsys, "--config", str(user_config), "--set", "model_config.superkernel.enable=true")
+    rc, _, err = compare(capsys, "--config", str(user_config), "--set", "model_config.enable_superkernel=true")
     assert rc == 2 and "--plan" in err
     rc, _, err = compare(capsys, "--config", str(user_config), "--plan", "custom", "--out", str(tmp_path / "o"))
     assert rc == 2 and "custom" in err  # invalid optimized side: refused before any run

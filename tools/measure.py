@@ -42,21 +42,34 @@ class MeasureError(RecipeError):
 
 
 # ----------------------------------------------------------------------------- side configs
+SWITCH_KEYS = ("model_config.enable_superkernel", "model_config.custom_params.enable_superkernel")
+
+
 def reject_superkernel_overrides(overrides: list[str], tool: str) -> None:
-    """The tools own the SuperKernel keys of each side; a --set on them would silently win."""
+    """The tools own the SuperKernel switch and plan of each side; a --set on them would silently win."""
     for item in overrides:
-        if item.split("=", 1)[0].strip().startswith(SK_KEY + "."):
-            raise ConfigError(
-                f"--set {item}: {tool} sets {SK_KEY}.* itself for each side (use --plan to choose the plan)"
-            )
+        key = item.split("=", 1)[0].strip()
+        if key in SWITCH_KEYS or key.startswith(SK_KEY + "."):
+            hint = "use --plan to choose the plan" if tool == "sk_compare" else "the search space chooses the plans"
+            raise ConfigError(f"--set {item}: {tool} sets the SuperKernel switch and {SK_KEY}.* itself ({hint})")
+
+
+def switch_key(cfg: RunConfig) -> str:
+    """Where this config keeps enable_superkernel (custom_params only if that is where it is)."""
+    mc = cfg.model_config
+    if mc.enable_superkernel is None and mc.custom_params.enable_superkernel is not None:
+        return SWITCH_KEYS[1]
+    return SWITCH_KEYS[0]
 
 
 def side_changes(cfg: RunConfig, superkernel: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
     """YAML changes for one side and why, in words. superkernel=None means SuperKernel off.
 
-    SuperKernel needs a graph mode, and a baseline is only comparable in the same mode, so an
-    eager config runs ge_graph on every side (the workflow's "edit config: exe_mode ge_graph"),
-    and the report says so.
+    As the SuperKernel workflow does, a side differs from the user's YAML in the
+    `enable_superkernel` line only (wherever the YAML keeps it), plus the plan when one is asked
+    for. SuperKernel needs a graph mode, and a baseline is only comparable in the same mode, so
+    an eager config runs ge_graph on every side (the workflow's "edit config: exe_mode
+    ge_graph"), and the report says so.
     """
     changes: dict[str, Any] = {}
     notes: list[str] = []
@@ -65,16 +78,14 @@ def side_changes(cfg: RunConfig, superkernel: dict[str, Any] | None) -> tuple[di
         notes.append(
             "model_config.exe_mode: eager -> ge_graph (SuperKernel needs a graph mode; same mode on every side)"
         )
-    if superkernel is None:
-        changes[f"{SK_KEY}.enable"] = False
-        notes.append(f"{SK_KEY}.enable: false")
-        return changes, notes
-    changes[f"{SK_KEY}.enable"] = True
-    notes.append(f"{SK_KEY}.enable: true")
-    for key in ("plan", "options", "custom"):
-        if key in superkernel:
-            changes[f"{SK_KEY}.{key}"] = superkernel[key]
-            notes.append(f"{SK_KEY}.{key}: {json.dumps(superkernel[key])}")
+    key, on = switch_key(cfg), superkernel is not None
+    if cfg.model_config.superkernel_enabled != on:
+        changes[key] = on
+    notes.append(f"{key}: {'true' if on else 'false'}")
+    for name in ("plan", "options", "custom"):
+        if on and name in superkernel:
+            changes[f"{SK_KEY}.{name}"] = superkernel[name]
+            notes.append(f"{SK_KEY}.{name}: {json.dumps(superkernel[name])}")
     return changes, notes
 
 

@@ -69,7 +69,7 @@ def parser() -> argparse.ArgumentParser:
         USAGE,
         DESCRIPTION,
         EPILOG,
-        config_help="recipe YAML (default: models/<model>/config.yaml), read only unless --apply; "
+        config_help="a recipe YAML anywhere, instead of --yaml; read only unless --apply; "
         "--set applies to every candidate",
     )
     p.add_argument("--search-space", help=f"candidate file (default: {DEFAULT_SPACE.relative_to(REPO_ROOT)})")
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                 [
                     *args.overrides,
                     "model_config.exe_mode=eager",
-                    "model_config.superkernel.enable=false",
+                    f"{measure.switch_key(cfg)}=false",
                     "model_config.enable_cache_compile=false",
                 ],
             )
@@ -512,8 +512,9 @@ def write_report(out: Path, args, config: Path, platform, status: dict, ranked, 
 
 def apply_winner(config: Path, winner: dict) -> None:
     """Write the winning plan into the user's config: backup, validate, atomic replace, diff."""
-    sk, current = winner["superkernel"], load_config(config).model_config
-    wanted = {"enable": True, "plan": sk["plan"], "options": sk.get("options", "")}
+    cfg = load_config(config)
+    sk, current = winner["superkernel"], cfg.model_config
+    wanted = {"plan": sk["plan"], "options": sk.get("options", "")}
     if sk["plan"] == "custom":
         wanted["custom"] = sk["custom"]
     # Only keys whose value changes, so the diff shows exactly what the search decided.
@@ -522,6 +523,8 @@ def apply_winner(config: Path, winner: dict) -> None:
         for k, v in wanted.items()
         if k == "custom" or getattr(current.superkernel, k) != v
     }
+    if not current.superkernel_enabled:
+        changes[measure.switch_key(cfg)] = True
     if current.exe_mode == "eager":
         changes["model_config.exe_mode"] = "ge_graph"
     if winner.get("exceeds_noise_vs_baseline") is not None and (winner.get("improvement_vs_baseline_percent") or 0) < 0:

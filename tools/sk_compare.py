@@ -28,14 +28,14 @@ if __package__ in (None, ""):  # `python tools/sk_compare.py`: make the repo imp
 import pandas as pd
 
 from executor.errors import run_command
-from executor.paths import results_dir
+from executor.paths import claim_output_dir, results_dir
 from executor.platform import Platform, PlatformError, software_versions
 from executor.registry import recipe_parser
 from tools import measure
 from tools.config_edit import unified_diff
 from tools.measure import RunResult, Side
 from tools.measure import fmt as _f
-from tools.startup import start
+from tools.startup import ToolStart, start
 
 REPORT = "superkernel_optimization_report.md"
 SIDES = ("baseline", "optimized")
@@ -59,7 +59,7 @@ def parser() -> argparse.ArgumentParser:
         USAGE,
         DESCRIPTION,
         EPILOG,
-        config_help="recipe YAML, only read (default: models/<model>/config.yaml); --set applies to both sides",
+        config_help="a recipe YAML anywhere, instead of --yaml; only read; --set applies to both sides",
     )
     p.add_argument("--runs", type=int, default=3, help="measured runs per side, alternating (default: 3)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up runs per side, not measured (default: 1)")
@@ -84,12 +84,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs < 1 or args.warmup < 0:
         p.error(f"--runs must be >= 1 and --warmup >= 0 (got {args.runs}, {args.warmup})")
     st = start(args, "sk_compare")
-    config, cfg, platform = st.config, st.cfg, st.platform
+    platform = st.platform
     if args.require_a3 and not platform.is_a3:
         raise PlatformError(f"--require-a3: this machine is {platform.describe()}, not an Atlas A3 ({platform.reason})")
     now = datetime.datetime.now()
     out = (Path(args.out) if args.out else results_dir(args.model, "sk_compare", now)).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    with claim_output_dir(out, "results.json"):
+        return _compare(args, st, out, now)
+
+
+def _compare(args: argparse.Namespace, st: ToolStart, out: Path, now: datetime.datetime) -> int:
+    config, cfg, platform = st.config, st.cfg, st.platform
     progress = measure.Progress("sk_compare")
     notes: dict[str, list[str]] = {}
     if args.from_logs:

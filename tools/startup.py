@@ -13,7 +13,7 @@ from pathlib import Path
 
 from executor.config import RunConfig, load_config
 from executor.platform import Platform, detect
-from executor.registry import default_config, runner_class
+from executor.registry import config_path, runner_class
 from tools import measure
 
 
@@ -29,7 +29,7 @@ class ToolStart:
 def start(args: argparse.Namespace, tool: str) -> ToolStart:
     """Validate the recipe arguments in the order a user fixes them: model, config, overrides, device."""
     runner = runner_class(args.model)
-    config = Path(args.config).resolve() if args.config else default_config(args.model)
+    config = config_path(args.model, args.yaml, args.config).resolve()
     measure.reject_superkernel_overrides(args.overrides, tool)
     cfg = load_config(config, args.overrides, check=False)
     return ToolStart(args.model, runner, config, cfg, detect(cfg.model_config.device))

@@ -132,6 +132,19 @@ def _op_name(node: torch.fx.Node) -> str:
     return getattr(target, "__name__", str(target))
 
 
+def _fake_inputs(args: tuple) -> list:
+    """Fake copies of a segment's real inputs, under a fake mode with a shape environment.
+
+    Why: the segments are compiled at their first call, outside dynamo's tracing context, and
+    Inductor's FX graph cache (what makes a second run's compile take seconds, with
+    enable_cache_compile) is bypassed for inputs without a shape environment ("No shape env")."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    return [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
+
+
 class _Segment(torch.nn.Module):
     """One partition of the split graph, compiled on first call with the real inputs."""
 
@@ -155,7 +168,7 @@ class _Segment(torch.nn.Module):
             if self.device == "cpu":
                 _gemv_to_reduction(self.gm)
             with inductor_config.patch(patch):
-                self.fn = compile_fx(self.gm, list(args))
+                self.fn = compile_fx(self.gm, _fake_inputs(args))
             if self.fused and self.device == "cuda":
                 self.fn = _CudaGraphUnit(self.fn, args)
         if self.stats is not None and self.fused:
@@ -355,7 +368,7 @@ class InductorBackend(Backend):
     directory per run, so that a "cold" compile really is cold."""
 
     def __init__(self, mc: ModelConfig, device: str):
-        self.superkernel, self.device = mc.superkernel.enable, device
+        self.superkernel, self.device = mc.superkernel_enabled, device
         self.name = "inductor+superkernel" if self.superkernel else "inductor"
         self.cache_enabled = mc.enable_cache_compile
         self.cache_dir = str(cache_root(mc)) if self.cache_enabled else tempfile.mkdtemp(prefix="sk_compile_")

@@ -217,7 +217,7 @@ class _NpuGraphBackend(Backend):
     mode = ""
 
     def __init__(self, mc: ModelConfig):
-        self.mc, self.superkernel, self.log = mc, mc.superkernel.enable, _ScopeLog()
+        self.mc, self.superkernel, self.log = mc, mc.superkernel_enabled, _ScopeLog()
 
     def scope_factory(self) -> ScopeFactory | None:
         return scope_factory(self.mode, self.log) if self.superkernel else None
@@ -272,7 +272,7 @@ def compile_torchair_ge(step: Callable, model_config: ModelConfig, log: _ScopeLo
     cfg.experimental_config.frozen_parameter = True  # parameter addresses fixed across steps
     cfg.experimental_config.tiling_schedule_optimize = True  # static shapes: tiling scheduled on device
     cfg.experimental_config.topology_sorting_strategy = "StableRDFS"
-    superkernel = model_config.superkernel.enable
+    superkernel = model_config.superkernel_enabled
     cache_dir = None
     if model_config.enable_cache_compile:
         cache_dir = cache_root(model_config) / "torchair"
@@ -308,7 +308,7 @@ def _npugraph_sk_options(mc: ModelConfig) -> dict:
 def compile_npugraph_ex(step: Callable, model_config: ModelConfig, log: _ScopeLog) -> NpuStep:
     """aclgraph capture via the npugraph_ex backend; SK is a post-capture pass over begin/end scopes."""
     _torch_npu()  # registers the "npugraph_ex" dynamo backend
-    superkernel = model_config.superkernel.enable
+    superkernel = model_config.superkernel_enabled
     options: dict = {"frozen_parameter": True, "static_kernel_compile": True}  # SK needs static kernels
     if superkernel:
         options["super_kernel_optimize"] = True
