@@ -1,7 +1,7 @@
 """ge_check (prototype): convert a recipe's decode step with torchair's real FX-to-GE converter, no NPU.
 
     python tools/ge_check_proto.py --model qwen                      # plans none attention mlp layer decoder custom
-    python tools/ge_check_proto.py --model qwen3_moe --plan moe --set model_config.debug_size=moe-debugmodel
+    python tools/ge_check_proto.py --model qwen3_moe --plan moe --set scheduler_config.batch_size=8
 
 For each plan it builds the recipe's model (its config + --set overrides, bfloat16 by default),
 installs our NPU op table (executor.backends.npu.install_ops, which imports torch_npu: here the
@@ -10,7 +10,7 @@ on the static KV cache) with the adapter's own `npu.compile_ge`, i.e. the real t
 with our real CompilerConfig, plus a pbtxt graph dump. The first call converts the graph and stops
 where GE's C++ runtime would load it. Printed per plan: the GE ops per SuperKernel scope, FX
 nodes without a converter, and the checks the CI tier will make (fused ops present, scope labels
-and options exactly on the scoped ops). Exit code 0 all plans pass, 1 a check failed, 2 bad input.
+and options exactly on the scoped ops). Exit code 0 all plans pass, 1 a check failed, 2 bad input or no torch-npu wheel.
 
 Prototype: everything it needs beyond the adapter is recorded in PATCHES below.
 """
@@ -166,7 +166,17 @@ def check(runner, graph) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from executor.cli import user_errors
+
     args = parser().parse_args(argv)
+    try:
+        return run(args)
+    except (*user_errors(), ge_offline.GeOfflineError) as exc:  # bad config or no wheel: one line, exit 2
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace) -> int:
     plans = args.plan or DEFAULT_PLANS.get(args.model, ["none", "attention", "layer", "decoder"])
     dump_root = Path(args.dump_dir) if args.dump_dir else Path(tempfile.mkdtemp(prefix="ge_check_"))
     report, failed = {}, False
