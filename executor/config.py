@@ -24,7 +24,7 @@ from executor.scope import REGION_KINDS, parse_options
 
 EXE_MODES = ("eager", "ge_graph", "npugraph_ex")
 PLANS = (*REGION_KINDS, "custom")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: resolved per platform (executor.compile)
 DEVICES = ("auto", "cpu", "cuda", "npu")
 
 
@@ -60,10 +60,11 @@ class ModelConfig:
     debug_size: str = "debugmodel"  # key of configs/model_sizes.yaml, used when model_path == ""
     tokenizer_path: str = ""  # "" = model_path's tokenizer.json, else the built-in tokenizer
     with_ckpt: bool = False  # True: load weights and fail if they cannot be loaded
-    dtype: str = field(default="float32", metadata=_choices(*DTYPES))
+    dtype: str = field(default="auto", metadata=_choices(*DTYPES))  # auto: bfloat16 on NPU/CUDA, float32 on CPU
     device: str = field(default="auto", metadata=_choices(*DEVICES))
     exe_mode: str = field(default="eager", metadata=_choices(*EXE_MODES))
     enable_cache_compile: bool = False
+    enable_static_kernel: bool = False  # npugraph_ex only: its static_kernel_compile option (independent of SK)
     cache_dir: str = ""  # "" = ~/.cache/cann-recipes-infer/compile
     enable_profiler: bool = False
     seed: int = 0
@@ -234,6 +235,11 @@ def validate(cfg: RunConfig) -> None:
                 f"{graph_only[0]}: eager does not support graph-only features; "
                 f"set model_config.exe_mode to ge_graph or npugraph_ex, or disable it"
             )
+    if mc.enable_static_kernel and mc.exe_mode != "npugraph_ex":
+        raise ConfigError(
+            f"model_config.enable_static_kernel: only exe_mode npugraph_ex has static kernels "
+            f"(exe_mode is {mc.exe_mode}); set it to false"
+        )
     if sk.plan == "custom" and sk.enable and not sk.custom:
         raise ConfigError(
             "model_config.superkernel.custom: plan 'custom' needs at least one "
