@@ -1,44 +1,37 @@
-"""torchair's real FX-to-GE converter, run on a machine without an NPU (the "GE check" tier).
+"""torchair's real FX-to-GE converter, run on a machine without an NPU (the GE check).
 
-Why this exists: the NPU adapter (executor/backends/npu.py) can only be run for real on an
-Ascend machine, and none exists in CI. But torchair's conversion of an FX graph into a GE graph
-is pure Python: only the step after it (handing the serialized graph to GE's C++ runtime) needs
-CANN. So we take torchair from the published torch-npu wheel, stand in for its four compiled
-extension modules at the C++ boundary, register the torch_npu fused ops our adapter calls under
-their real schemas (read from the same wheel), and let the real converter, the real scope pass
-and our real adapter run. Conversion ends by writing the GE graph as pbtxt
-(`CompilerConfig().debug.graph_dump.type = "pbtxt"`) and then fails where GE would load it;
-we catch that failure and parse the dump. What this proves: every FX node found a converter,
-which GE op each fused op became, which GE ops carry `_super_kernel_scope`/`_super_kernel_options`.
-What it cannot: GE compilation, per-chip kernel support, timing.
+Why this exists: the NPU adapter (executor/backends/npu.py) can only run for real on an Ascend
+machine, and none exists in CI. But torchair's conversion of an FX graph into a GE graph is pure
+Python: only the step after it (handing the serialized graph to GE's C++ runtime) needs CANN.
+So we take torchair from the published torch-npu wheel and stand in for what is compiled code
+or device state, and nothing else:
 
-Use:
-    with OfflineTorchair() as air:              # fetches/extracts the wheel on first use
-        from executor.backends import npu       # imports torch_npu -> the stand-in
-        npu.install_ops()
-        conv = air.convert(lambda: npu.compile_ge(step, mc, True).step, (ids, pos), dump_dir)
-        conv.optimized[-1].by_scope()            # {label or None: [GeNode(name, type, inputs, attrs)]}
+- torchair/core/*.so (the C++ boundary): Python modules whose graph `load` raises
+  CppBoundaryReached; every other symbol the converter reaches is a no-op or a distinct int;
+- torch_npu itself (it needs CANN to import): a skeleton with the device queries torchair and
+  the op metas ask (SoC name and version, CANN version, determinism level).
 
-Process-wide effects. Importing this module does nothing. The first `OfflineTorchair.__enter__`
-in a process fetches and extracts the wheel, defines the fused ops in the `npu` op namespace
-(real schemas, CPU kernels, fakes) and imports torchair against a stand-in `torch_npu` and
-stand-in extension modules; torchair's import defines `air::*` ops (`scope_enter`, ...) and other
-namespaces, registers its converters, an atexit hook, SIGINT/SIGTERM handlers and collective
-remaps. None of that can be imported twice or unregistered cleanly, so the op definitions and
-the torchair module objects stay for the rest of the process (`torch.ops.npu.npu_rms_norm` keeps
-existing). `__exit__` removes every torchair/torch_npu/npugraph_ex entry from sys.modules (and
-puts back whatever was there), restores the signal handlers, the remaps and `torch.Tensor`, drops
-the atexit hook and resets dynamo; a later `__enter__` reinstalls the same module objects. Tests
-that also import tests/npu_doubles.py (which defines `air::scope_enter` with another schema) must
-run this in a fresh process: `__enter__` refuses with a clear error when it finds a foreign
-`air::scope_enter`.
+Real, from the same wheel: torchair, every torch_npu custom op schema
+(torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml, its `custom:` section) and torch_npu's
+own meta functions (torch_npu/op_plugin/meta/_meta_registrations.py), which give dynamo and
+torchair the real output shapes and dtypes. Our adapter runs unchanged on top: its
+CompilerConfig (npu.ge_compiler_config) gets a pbtxt graph dump and a read-only post-grad pass
+(`OfflineTorchair.instrument`), the decode step's first call converts the graph, and the stand-in
+stops it where GE would load it. What this proves: every FX node found a converter, which GE op
+each fused op became, which GE ops carry `_super_kernel_scope`/`_super_kernel_options`. What it
+cannot: GE compilation, per-chip kernel support, timing.
+
+Process-wide and one-way: `OfflineTorchair.install()` fetches and extracts the wheel (once per
+machine), defines the `npu::` ops, puts the stand-ins in sys.modules and imports torchair. None
+of that can be undone (torchair defines torch ops only if absent and cannot be imported twice),
+so the GE check runs in a process of its own (tools/ge_check.py; the tests start it as a
+subprocess). It refuses to start where `air::scope_enter` already exists with another schema
+(e.g. the recording doubles of tests/npu_doubles.py were imported).
 """
 
 from __future__ import annotations
 
-import ast
 import atexit
-import contextlib
 import importlib
 import importlib.machinery
 import itertools
@@ -52,47 +45,44 @@ import time
 import types
 import warnings
 import zipfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+
+from executor.backends.ge_dump import GeGraph, parse_pbtxt
 
 TORCH_NPU_VERSION = "2.14.0"
 WHEEL_DIR_ENV = "CANN_RECIPES_TORCH_NPU_WHEEL_DIR"  # where the wheel and its extract are kept
 DEFAULT_WHEEL_DIR = Path.home() / ".cache" / "cann-recipes-infer" / "torch_npu_wheel"
 TORCHAIR_IN_WHEEL = "torch_npu/dynamo/torchair/"
 OPS_YAML_IN_WHEEL = "torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml"
+METAS_IN_WHEEL = "torch_npu/op_plugin/meta/_meta_registrations.py"
 # torchair/core/*.so: the C++ boundary. Everything else in torchair is Python and runs for real.
 COMPILED_MODULES = ("_torchair", "_npu_graph_executor", "_abi_compat_ge_apis", "_npu_utils")
-# The torch_npu fused ops executor/backends/npu.py calls (all registered as `npu::<name>`).
-FUSED_OPS = (
-    "npu_rms_norm",
-    "npu_add_rms_norm",
-    "npu_swiglu",
-    "npu_rotary_mul",
-    "npu_fused_infer_attention_score",
-    "npu_moe_gating_top_k_softmax",
-    "npu_moe_init_routing",
-    "npu_grouped_matmul",
-)
-# Ops torchair's own pattern passes (torchair/patterns/*.py, on by default in max-autotune) trace
-# at registration. Our graphs never contain them, but the passes must run as on the device, so
-# they get their real schema and a fake (shape/dtype only); their CPU kernel raises.
-PATTERN_OPS = ("npu_dynamic_quant", "npu_add_rms_norm_dynamic_quant", "npu_add_rms_norm_cast", "_npu_dtype_cast")
 DEFAULT_SOC = "Ascend910_9392"  # an Atlas A3 chip (the recipes' target); converters branch on the SoC
-SK_ATTRS = ("_super_kernel_scope", "_super_kernel_options")  # what torchair stamps on scoped GE ops
-# The arguments torchair 2.14.0 gives air::scope_enter (torchair/scope/_scope.py:13, returns None);
-# torchair defines it only if absent, so anything registered under that name first (e.g. by a
-# test double) would silently replace it.
+# torch_npu's SocVersion numbers the metas compare against (torch_npu/_inductor/config.py:
+# Ascend910B1 = 220, Ascend910_9391 = 250, Ascend950 = 260).
+SOC_VERSIONS = (("Ascend950", 260), ("Ascend910_95", 260), ("Ascend910_93", 250), ("Ascend910B", 220))
+ASSUMED_CANN = "8.3.RC2"  # no toolkit here; the metas of the ops we use do not depend on it
+# The arguments torchair 2.14.0 gives air::scope_enter (torchair/scope/_scope.py:13); torchair
+# defines it only if absent, so anything registered under that name first would replace it.
 REAL_SCOPE_ENTER = "air::scope_enter(str[] keys, str[] values, bool need_execute=False)"
 _BOUNDARY = "GE C++ boundary reached"  # the message our stand-in load step raises
 
 
 class GeOfflineError(RuntimeError):
     """The offline converter cannot be set up or did not produce a GE graph; one line saying why."""
+
+
+class ConversionFailed(GeOfflineError):
+    """The graph did not convert: FX targets without a GE converter (`missing`), or no GE graph written."""
+
+    def __init__(self, message: str, missing: list[str] | None = None):
+        super().__init__(message)
+        self.missing = missing or []
 
 
 class CppBoundaryReached(RuntimeError):
@@ -142,28 +132,31 @@ def fetch_wheel(directory: Path | None = None) -> Path:
 
 
 def extract(wheel: Path) -> Path:
-    """Unpack torchair's Python files and the fused-op schema yaml next to the wheel, once.
+    """Unpack torchair's Python files, the op schema yaml and the op metas next to the wheel, once.
 
     The compiled modules are left out on purpose: `import torchair` must find our stand-ins,
     never a .so that needs CANN. The extract is written to a temporary directory and renamed,
     so concurrent processes never see half of it.
     """
     root = wheel.parent / f"extract-{wheel.stem}"
-    if (root / "torchair" / "__init__.py").is_file() and (root / Path(OPS_YAML_IN_WHEEL).name).is_file():
+    files = (OPS_YAML_IN_WHEEL, METAS_IN_WHEEL)
+    if (root / "torchair" / "__init__.py").is_file() and all((root / Path(f).name).is_file() for f in files):
         return root
     tmp = Path(tempfile.mkdtemp(prefix=".extract-", dir=wheel.parent))
     try:
         with zipfile.ZipFile(wheel) as zf:
             names = zf.namelist()
-            if OPS_YAML_IN_WHEEL not in names:
-                raise GeOfflineError(f"{wheel.name}: {OPS_YAML_IN_WHEEL} not found; is it a torch-npu wheel?")
-            (tmp / Path(OPS_YAML_IN_WHEEL).name).write_bytes(zf.read(OPS_YAML_IN_WHEEL))
+            for wanted in files:
+                if wanted not in names:
+                    raise GeOfflineError(f"{wheel.name}: {wanted} not found; is it a torch-npu wheel?")
+                (tmp / Path(wanted).name).write_bytes(zf.read(wanted))
             for name in names:
                 if not name.startswith(TORCHAIR_IN_WHEEL) or name.endswith("/") or ".so" in Path(name).suffixes:
                     continue
                 dest = tmp / "torchair" / name[len(TORCHAIR_IN_WHEEL) :]
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 dest.write_bytes(zf.read(name))
+        shutil.rmtree(root, ignore_errors=True)  # an extract of an older layout of this file
         try:
             tmp.rename(root)
         except OSError:  # another process finished first; use its extract
@@ -176,30 +169,31 @@ def extract(wheel: Path) -> Path:
 
 @dataclass(frozen=True)
 class OpSchema:
-    """One fused op's schema as the wheel declares it (yaml file and line, for the facts files)."""
+    """One torch_npu custom op's schema as the wheel declares it (with the yaml line, for the facts files)."""
 
-    name: str
+    name: str  # "npu_swiglu", or "npu_fused_infer_attention_score.out" for an overload
     schema: str  # e.g. "npu_swiglu(Tensor self, int dim=-1) -> Tensor"
     line: int
 
 
-def read_schemas(yaml_path: Path, names: Iterable[str] = FUSED_OPS + PATTERN_OPS) -> dict[str, OpSchema]:
-    """The `func:` entries of `names` (default overload) in npu_native_functions_by_codegen.yaml.
+def read_schemas(yaml_path: Path) -> dict[str, OpSchema]:
+    """Every `func:` of the yaml's `custom:` section (torch_npu's own `npu::` ops), first declaration wins.
 
-    Read line by line rather than with a YAML loader because we also want the line number, and
-    the first declaration wins (the file repeats some ops in its `symint:` section)."""
-    wanted, found = set(names), {}
+    Read line by line rather than with a YAML loader because we also want the line number; the
+    other sections name aten ops NPU implements, which torch already defines."""
+    found: dict[str, OpSchema] = {}
+    section = ""
     for number, line in enumerate(yaml_path.read_text().splitlines(), 1):
+        if line and not line.startswith((" ", "-")):
+            section = line.split(":", 1)[0]
+            continue
         text = line.strip().removeprefix("- ")
-        if not text.startswith("func: "):
+        if section != "custom" or not text.startswith("func: "):
             continue
         schema = text[len("func: ") :]
-        name = schema.split("(", 1)[0]
-        if name in wanted and name not in found:
-            found[name] = OpSchema(name, schema, number)
-    missing = sorted(wanted - set(found))
-    if missing:
-        raise GeOfflineError(f"{yaml_path}: no schema for {', '.join(missing)}")
+        found.setdefault(schema.split("(", 1)[0], OpSchema(schema.split("(", 1)[0], schema, number))
+    if "npu_fused_infer_attention_score" not in found:
+        raise GeOfflineError(f"{yaml_path}: no custom op schemas found (not torch-npu's codegen yaml?)")
     return found
 
 
@@ -244,20 +238,23 @@ def _noop(*args, **kwargs) -> None:
     return None
 
 
-def _compiled_stand_ins() -> dict[str, types.ModuleType]:
-    """Python modules in place of torchair/core/*.so. Only what the converter reaches is defined;
-    any other attribute is an AttributeError naming the C++ symbol, so a new need is visible."""
-
-    def module(name: str, attrs: dict[str, Any]) -> types.ModuleType:
-        mod = types.ModuleType(f"torchair.core.{name}", f"ge_offline stand-in for torchair/core/{name}.so")
-        mod.__dict__.update(attrs)
+def _module(name: str, attrs: dict[str, Any], strict: bool = True) -> types.ModuleType:
+    """A stand-in module. strict: any attribute not given is an AttributeError naming it, so a
+    new need of torchair or the metas is visible instead of silently invented."""
+    mod = types.ModuleType(name, f"ge_offline stand-in for {name}")
+    mod.__spec__ = importlib.machinery.ModuleSpec(name, None)  # importlib.util.find_spec needs one
+    mod.__dict__.update(attrs)
+    if strict:
 
         def missing(attr: str):
-            raise AttributeError(f"ge_offline: no stand-in for C++ symbol torchair.core.{name}.{attr}")
+            raise AttributeError(f"ge_offline: no stand-in for {name}.{attr}")
 
         mod.__getattr__ = missing
-        return mod
+    return mod
 
+
+def _compiled_stand_ins() -> dict[str, types.ModuleType]:
+    """Python modules in place of torchair/core/*.so."""
     torchair_so = {
         "TorchNpuGraphBase": _TorchNpuGraphBase,
         "TorchDataType": _DistinctInts("TorchDataType"),  # llm_datadist maps torch dtypes at import
@@ -271,358 +268,76 @@ def _compiled_stand_ins() -> dict[str, types.ModuleType]:
         # "" = this CANN accepts the optional inputs/attrs the converter sets (cannot be checked offline)
         "check_cann_compat": lambda optype, optional_inputs, optional_attrs: "",
     }
-    return {
-        "_torchair": module("_torchair", torchair_so),
-        "_npu_graph_executor": module("_npu_graph_executor", {}),
-        "_abi_compat_ge_apis": module("_abi_compat_ge_apis", {}),
-        "_npu_utils": module("_npu_utils", {}),
-    }
-
-
-# --------------------------------------------------------------------------- stand-ins: torch_npu ops
-# CPU implementations follow executor/ops/reference.py (the documented semantics), plus the
-# outputs our models never read (rstd, lse, row ids) with the shapes and dtypes of torch_npu's
-# own meta functions (torch_npu/op_plugin/meta/_meta_registrations.py), which the fakes copy.
-def _rstd_shape(x: torch.Tensor, gamma: torch.Tensor) -> list[int]:
-    return [x.shape[i] if i < x.dim() - gamma.dim() else 1 for i in range(x.dim())]
-
-
-def _rms(x: torch.Tensor, gamma: torch.Tensor, epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
-    xf = x.float()
-    dims = tuple(range(x.dim() - gamma.dim(), x.dim()))
-    rstd = torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + epsilon)
-    return gamma * (xf * rstd).to(x.dtype), rstd
-
-
-def _rms_norm_cpu(x, gamma, epsilon=1e-6):
-    return _rms(x, gamma, epsilon)
-
-
-def _rms_norm_fake(x, gamma, epsilon=1e-6):
-    return torch.empty_like(x), x.new_empty(_rstd_shape(x, gamma), dtype=torch.float32)
-
-
-def _add_rms_norm_cpu(x1, x2, gamma, epsilon=1e-6):
-    x_sum = x1 + x2
-    y, rstd = _rms(x_sum, gamma, epsilon)
-    return y, rstd, x_sum
-
-
-def _add_rms_norm_fake(x1, x2, gamma, epsilon=1e-6):
-    return torch.empty_like(x1), x1.new_empty(_rstd_shape(x1, gamma), dtype=torch.float32), torch.empty_like(x1)
-
-
-def _swiglu_cpu(x, dim=-1):
-    gate, up = x.chunk(2, dim=dim)
-    return F.silu(gate) * up
-
-
-def _swiglu_fake(x, dim=-1):
-    shape = list(x.shape)
-    shape[dim] //= 2
-    return x.new_empty(shape)
-
-
-def _rotary_mul_cpu(x, r1, r2, rotary_mode="half", rotate=None):
-    if rotary_mode == "half":
-        x1, x2 = x.chunk(2, dim=-1)
-        rotated = torch.cat((-x2, x1), dim=-1)
-    elif rotary_mode == "interleave":
-        rotated = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
-    else:
-        raise ValueError(f"npu_rotary_mul: rotary_mode {rotary_mode!r}; expected 'half' or 'interleave'")
-    return x * r1 + rotated * r2
-
-
-def _rotary_mul_fake(x, r1, r2, rotary_mode="half", rotate=None):
-    return torch.empty_like(x)
-
-
-def _fia_to_bnsd(t: torch.Tensor, layout: str, heads: int) -> torch.Tensor:
-    if layout == "BNSD":
-        return t
-    if layout == "BSND":
-        return t.transpose(1, 2)
-    if layout == "BSH":
-        b, s, h = t.shape
-        return t.view(b, s, heads, h // heads).transpose(1, 2)
-    raise NotImplementedError(f"ge_offline npu_fused_infer_attention_score: input_layout {layout!r}")
-
-
-def _fia_cpu(query, key, value, **kw):
-    """Dense masked attention for the layouts BNSD/BSND/BSH; mask True/1 = masked out."""
-    unsupported = {k for k, v in kw.items() if k.endswith(("scale1", "scale2", "offset2", "prefix")) and v is not None}
-    if unsupported or kw.get("pse_shift") is not None or kw.get("block_table") is not None:
-        raise NotImplementedError(f"ge_offline npu_fused_infer_attention_score: {sorted(unsupported)} not implemented")
-    if kw.get("sparse_mode", 0) != 0:
-        raise NotImplementedError("ge_offline npu_fused_infer_attention_score: sparse_mode != 0 not implemented")
-    layout, nq = kw.get("input_layout", "BSH"), kw.get("num_heads", 1)
-    nkv = kw.get("num_key_value_heads", 0) or nq
-    q, k, v = _fia_to_bnsd(query, layout, nq), _fia_to_bnsd(key, layout, nkv), _fia_to_bnsd(value, layout, nkv)
-    k, v = k.repeat_interleave(nq // nkv, dim=1).float(), v.repeat_interleave(nq // nkv, dim=1).float()
-    scores = q.float() @ k.transpose(-1, -2) * kw.get("scale", 1.0)  # (B, N, S, T)
-    mask = kw.get("atten_mask")
-    if mask is not None:
-        scores = scores.masked_fill(mask.bool(), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (B, N, S, 1)
-    out = (torch.exp(scores - lse) @ v).to(query.dtype)
-    if layout == "BSND":
-        out = out.transpose(1, 2)
-    elif layout == "BSH":
-        out = out.transpose(1, 2).flatten(2)
-    if not kw.get("softmax_lse_flag", False):
-        lse = torch.empty(0, dtype=torch.float32)  # the op's meta: an empty [0] tensor
-    return out.contiguous(), lse.contiguous()
-
-
-def _fia_fake(query, key, value, **kw):
-    layout, nq = kw.get("input_layout", "BSH"), kw.get("num_heads", 1)
-    nkv = kw.get("num_key_value_heads", 0) or nq
-    dv = value.shape[-1] if layout in ("BNSD", "BSND") else value.shape[-1] // nkv
-    if layout == "BNSD":
-        out_shape, lse_shape = (*query.shape[:3], dv), (*query.shape[:3], 1)
-    elif layout == "BSND":
-        out_shape, lse_shape = (*query.shape[:3], dv), (query.shape[0], nq, query.shape[1], 1)
-    elif layout == "BSH":
-        out_shape, lse_shape = (*query.shape[:2], nq * dv), (query.shape[0], nq, query.shape[1], 1)
-    else:
-        raise NotImplementedError(f"ge_offline npu_fused_infer_attention_score: input_layout {layout!r}")
-    lse = query.new_empty(lse_shape if kw.get("softmax_lse_flag", False) else (0,), dtype=torch.float32)
-    return query.new_empty(out_shape), lse
-
-
-def _gating_cpu(x, finished=None, k=1):
-    if finished is not None:
-        raise NotImplementedError("ge_offline npu_moe_gating_top_k_softmax: finished must be None")
-    y, idx = torch.topk(torch.softmax(x.float(), dim=-1), k, dim=-1)
-    n = x.shape[0]
-    row_idx = torch.arange(n * k, dtype=torch.int32).view(k, n).t().contiguous()  # row_idx[i, j] = j*N + i
-    return y.to(x.dtype), idx.to(torch.int32), row_idx
-
-
-def _gating_fake(x, finished=None, k=1):
-    shape = (*x.shape[:-1], k)
-    return x.new_empty(shape), x.new_empty(shape, dtype=torch.int32), x.new_empty(shape, dtype=torch.int32)
-
-
-def _init_routing_cpu(x, row_idx, expert_idx, active_num):
-    """Stable sort of the (token, slot) pairs by expert; expanded_row_idx[row id] = destination row."""
-    n, k = expert_idx.shape
-    order = torch.sort(expert_idx.reshape(-1), stable=True)
-    dst_to_src = row_idx.reshape(-1).long()[order.indices]
-    expanded_row_idx = torch.empty(n * k, dtype=torch.int32)
-    expanded_row_idx[dst_to_src] = torch.arange(n * k, dtype=torch.int32)
-    rows = min(active_num, n) * k
-    return x[dst_to_src[:rows] % n], expanded_row_idx, order.values.to(torch.int32)
-
-
-def _init_routing_fake(x, row_idx, expert_idx, active_num):
-    n, k = x.shape[0], row_idx.shape[1]
-    return x.new_empty(min(n, active_num) * k, x.shape[1]), row_idx.new_empty(n * k), row_idx.new_empty(n * k)
-
-
-def _grouped_matmul_cpu(x, weight, **kw):
-    """The single-tensor forms (split_item 2/3, group_type 0): y[s_e:e_e] = x[s_e:e_e] @ W[e]."""
-    if kw.get("split_item") not in (2, 3) or kw.get("group_type") != 0 or len(x) != 1 or len(weight) != 1:
-        raise NotImplementedError("ge_offline npu_grouped_matmul: only split_item 2/3, group_type 0, one x, one W")
-    group_list = kw["group_list"]
-    ends = group_list.cumsum(0) if kw.get("group_list_type", 0) == 1 else group_list
-    out, start = [], 0
-    for e, end in enumerate(ends.tolist()):
-        out.append(x[0][start:end] @ weight[0][e])
-        start = end
-    return [torch.cat(out)]
-
-
-def _grouped_matmul_fake(x, weight, **kw):
-    if kw.get("split_item") not in (2, 3) or kw.get("group_type") != 0:
-        raise NotImplementedError("ge_offline npu_grouped_matmul: only split_item 2/3, group_type 0")
-    return [x[0].new_empty(sum(t.shape[0] for t in x), weight[0].shape[-1])]
-
-
-def _dynamic_quant_fake(x, *, smooth_scales=None, group_index=None, dst_type=None, quant_mode="pertoken", **kw):
-    if dst_type not in (None, 1) or quant_mode != "pertoken":  # 1 = torch_npu's enum value of int8
-        raise NotImplementedError("ge_offline npu_dynamic_quant: only int8 per-token")
-    return torch.empty_like(x, dtype=torch.int8), x.new_empty(x.shape[:-1], dtype=torch.float32)
-
-
-def _add_rms_norm_dynamic_quant_fake(x1, x2, gamma, *, smooth_scale1=None, smooth_scale2=None, output_mask=None, **kw):
-    if kw.get("y_dtype") not in (None, 1):
-        raise NotImplementedError("ge_offline npu_add_rms_norm_dynamic_quant: only int8 outputs")
-    y1, y2 = (True, smooth_scale1 is not None and smooth_scale2 is not None) if output_mask is None else output_mask
-    shape, rows = x1.shape, x1.shape[:-1]
-    return (
-        x1.new_empty(shape if y1 else (0,), dtype=torch.int8),
-        x1.new_empty(shape if y2 else (0,), dtype=torch.int8),
-        torch.empty_like(x1),
-        x1.new_empty(rows if y1 else (0,), dtype=torch.float32),
-        x1.new_empty(rows if y2 else (0,), dtype=torch.float32),
-    )
-
-
-def _add_rms_norm_cast_fake(x1, x2, gamma, epsilon=1e-6):
-    rstd = x1.new_empty(_rstd_shape(x1, gamma), dtype=torch.float32)
-    return torch.empty_like(x1, dtype=torch.float32), torch.empty_like(x1), rstd, torch.empty_like(x1)
-
-
-def _dtype_cast_fake(x, dtype):
-    return torch.empty_like(x, dtype=dtype)
-
-
-def _pattern_only(name: str) -> Callable:
-    def cpu(*args, **kwargs):
-        raise NotImplementedError(f"ge_offline: npu::{name} is registered for torchair's pattern passes only")
-
-    return cpu
-
-
-_IMPLS: dict[str, tuple[Callable, Callable]] = {
-    **{
-        name: (_pattern_only(name), fake)
-        for name, fake in (
-            ("npu_dynamic_quant", _dynamic_quant_fake),
-            ("npu_add_rms_norm_dynamic_quant", _add_rms_norm_dynamic_quant_fake),
-            ("npu_add_rms_norm_cast", _add_rms_norm_cast_fake),
-            ("_npu_dtype_cast", _dtype_cast_fake),
-        )
-    },
-    "npu_rms_norm": (_rms_norm_cpu, _rms_norm_fake),
-    "npu_add_rms_norm": (_add_rms_norm_cpu, _add_rms_norm_fake),
-    "npu_swiglu": (_swiglu_cpu, _swiglu_fake),
-    "npu_rotary_mul": (_rotary_mul_cpu, _rotary_mul_fake),
-    "npu_fused_infer_attention_score": (_fia_cpu, _fia_fake),
-    "npu_moe_gating_top_k_softmax": (_gating_cpu, _gating_fake),
-    "npu_moe_init_routing": (_init_routing_cpu, _init_routing_fake),
-    "npu_grouped_matmul": (_grouped_matmul_cpu, _grouped_matmul_fake),
-}
-
-
-def _register_fused_ops(schemas: dict[str, OpSchema]) -> torch.library.Library:
-    """Define `npu::<op>` with the wheel's schema, a CPU kernel and a fake (for dynamo/AOT)."""
-    lib = torch.library.Library("npu", "FRAGMENT")  # FRAGMENT: torch_npu's own namespace style
-    for name, op in schemas.items():
-        if hasattr(torch.ops.npu, name):
-            raise GeOfflineError(f"torch.ops.npu.{name} is already defined in this process; run in a fresh process")
-        lib.define(op.schema)
-        cpu, fake = _IMPLS[name]
-        lib.impl(name, cpu, "CPU")
-        torch.library.register_fake(f"npu::{name}", fake, lib=lib)
-    return lib
+    mods = {"_torchair": torchair_so, "_npu_graph_executor": {}, "_abi_compat_ge_apis": {}, "_npu_utils": {}}
+    return {f"torchair.core.{name}": _module(f"torchair.core.{name}", attrs) for name, attrs in mods.items()}
 
 
 class _Flag:
     allow_hf32 = False
 
 
-def _torch_npu_stand_in(soc: str) -> dict[str, types.ModuleType]:
-    """`torch_npu` as torchair and our adapter see it: the fused ops are `torch.ops.npu.*`
-    (torch_npu exports them the same way) and `torch_npu.npu` has the few queries torchair makes
-    while converting. Anything else is missing on purpose (AttributeError).
+def _soc_version(soc: str) -> int:
+    return next((v for prefix, v in SOC_VERSIONS if soc.startswith(prefix)), 0)
+
+
+def _torch_npu_stand_in(soc: str, schemas: dict[str, OpSchema]) -> dict[str, types.ModuleType]:
+    """`torch_npu` as torchair, the op metas and our adapter see it: the custom ops as
+    `torch_npu.<op>` (torch_npu exports them the same way) and the device queries they make.
 
     `soc` matters: converters ask torch_npu.npu.get_device_name() (torchair/_utils/check_platform.py,
     is_arch35) and emit other GE ops on Ascend950 (e.g. RotaryPositionEmbedding, not RotaryMul)."""
-    tnpu = types.ModuleType("torch_npu", "ge_offline stand-in for torch_npu (no device)")
-    tnpu.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)  # importlib.util.find_spec needs one
-    tnpu.__version__ = TORCH_NPU_VERSION
-    for name in FUSED_OPS:
-        setattr(tnpu, name, getattr(torch.ops.npu, name))
-    npu = types.ModuleType("torch_npu.npu")
-    npu.__spec__ = importlib.machinery.ModuleSpec("torch_npu.npu", None)
-    npu.current_device = lambda: 0  # torchair: GE option ge.exec.deviceId
-    npu.get_device_name = lambda device=None: soc  # torchair converters: is_arch35()
-    npu.is_available = lambda: False  # honest: there is no device (executor.platform must not pick npu)
-    npu.matmul, npu.conv = _Flag(), _Flag()  # torchair: GE option ge.exec.allow_hf32
-    npu._get_deterministic_level = lambda: 0  # torchair: ge.deterministicLevel, cache_compile key
-    tnpu.npu = npu
-    return {"torch_npu": tnpu, "torch_npu.npu": npu}
+    ops = {name: getattr(torch.ops.npu, name) for name in schemas if "." not in name}
+    # torch_npu's own dtypes (referenced by the metas of quantised ops): distinct placeholders
+    dtypes = {n: object() for n in ("hifloat8", "float4_e2m1fn_x2", "float4_e1m2fn_x2", "float8_e8m0fnu", "int4")}
+    npu_utils = _module(
+        "torch_npu.npu.utils", {"get_cann_version": lambda module="CANN": ASSUMED_CANN, "_is_gte_cann_version": _noop}
+    )
+    npu = _module(
+        "torch_npu.npu",
+        {
+            "current_device": lambda: 0,  # torchair: GE option ge.exec.deviceId
+            "get_device_name": lambda device=None: soc,  # torchair converters: is_arch35()
+            "is_available": lambda: False,  # honest: there is no device
+            "matmul": _Flag(),  # torchair: GE option ge.exec.allow_hf32
+            "conv": _Flag(),
+            "_get_deterministic_level": lambda: 0,  # torchair: ge.deterministicLevel
+            "utils": npu_utils,
+        },
+    )
+    error_code = _module(
+        "torch_npu.utils._error_code", {"ErrCode": _DistinctInts("ErrCode"), "ops_error": lambda *a: ""}
+    )
+    tnpu = _module("torch_npu", {"__version__": TORCH_NPU_VERSION, "npu": npu, **ops, **dtypes})
+    return {
+        "torch_npu": tnpu,
+        "torch_npu.npu": npu,
+        "torch_npu.npu.utils": npu_utils,
+        "torch_npu.npu._backends": _module("torch_npu.npu._backends", {"get_soc_version": lambda: _soc_version(soc)}),
+        "torch_npu.utils": _module("torch_npu.utils", {"_error_code": error_code}),
+        "torch_npu.utils._error_code": error_code,
+    }
 
 
-# --------------------------------------------------------------------------- GE graph (parsed dump)
-@dataclass
-class GeNode:
-    name: str
-    type: str
-    inputs: list[str]
-    attrs: dict[str, Any]  # "_super_kernel_scope": "layer_0_attn", "epsilon": 1e-06, ...
-
-    @property
-    def scope(self) -> str | None:
-        return self.attrs.get("_super_kernel_scope")
-
-    @property
-    def scope_options(self) -> str | None:
-        return self.attrs.get("_super_kernel_options")
+def _define_ops(schemas: dict[str, OpSchema]) -> torch.library.Library:
+    """Define every `npu::` op with the wheel's schema. No CPU kernel: nothing runs eagerly here."""
+    defined = sorted(
+        {op.name.split(".")[0] for op in schemas.values() if hasattr(torch.ops.npu, op.name.split(".")[0])}
+    )
+    if defined:
+        raise GeOfflineError(f"torch.ops.npu.{defined[0]} is already defined in this process; run in a fresh process")
+    lib = torch.library.Library("npu", "FRAGMENT")  # FRAGMENT: torch_npu's own namespace style
+    for op in schemas.values():
+        lib.define(op.schema)
+    return lib
 
 
-@dataclass
-class GeGraph:
-    name: str  # "dynamo_original_graph_0", "dynamo_optimized_graph_0"
-    path: Path
-    nodes: list[GeNode]
-
-    def by_scope(self) -> dict[str | None, list[GeNode]]:
-        """Nodes grouped by `_super_kernel_scope` (None = outside every scope), graph order."""
-        groups: dict[str | None, list[GeNode]] = {}
-        for node in self.nodes:
-            groups.setdefault(node.scope, []).append(node)
-        return groups
-
-    def types(self) -> set[str]:
-        return {n.type for n in self.nodes}
-
-
-def _attr_value(attr) -> Any:
-    """A torchair AttrDef message as a plain Python value."""
-    kind = attr.WhichOneof("value")
-    if kind in ("s", "bt"):
-        return getattr(attr, kind).decode(errors="replace")
-    if kind in ("i", "f", "b", "dt"):
-        return getattr(attr, kind)
-    if kind == "list":
-        lv = attr.list
-        for name in ("s", "i", "f", "b", "dt"):
-            values = list(getattr(lv, name))
-            if values:
-                return [v.decode(errors="replace") if isinstance(v, bytes) else v for v in values]
-        return []
-    return str(attr).strip()
-
-
-def parse_pbtxt(path: Path) -> GeGraph:
-    """Parse torchair's pbtxt dump (`node { name op input* attr { key value { s: <AttrDef text> } } }`).
-
-    torchair writes every attribute value as the text form of its AttrDef message, quoted as a
-    Python bytes literal; we decode that literal and parse it with torchair's own AttrDef class,
-    so types (string, int, float, list) come back as they were set."""
-    from google.protobuf import text_format
-
-    attr_def = importlib.import_module("torchair._ge_concrete_graph.ge_ir_pb2").AttrDef
-    nodes: list[GeNode] = []
-    node: GeNode | None = None
-    key = None
-    for raw in path.read_text().splitlines():
-        line = raw.strip()
-        if line == "node {":
-            node = GeNode("", "", [], {})
-            nodes.append(node)
-        elif node is None or line in ("}", "attr {", "value {"):
-            continue
-        elif line.startswith("name: "):
-            node.name = ast.literal_eval(line[6:])
-        elif line.startswith("op: "):
-            node.type = ast.literal_eval(line[4:])
-        elif line.startswith("input: "):
-            node.inputs.append(ast.literal_eval(line[7:]))
-        elif line.startswith("key: "):
-            key = ast.literal_eval(line[5:])
-        elif line.startswith("s: ") and key is not None:
-            text = ast.literal_eval("b" + line[3:]).decode(errors="replace")
-            if not key.startswith(("[i]", "[o]")):  # tensor descriptors: not needed here
-                msg = attr_def()
-                text_format.Parse(text, msg)
-                node.attrs[key] = _attr_value(msg)
-            key = None
-    return GeGraph(path.name.split("_rank_")[0], path, nodes)
+def _run_metas(metas: Path) -> None:
+    """Execute the wheel's meta registrations (the shapes/dtypes torch_npu itself gives dynamo),
+    unchanged, as the module torch_npu imports them as."""
+    module = types.ModuleType("torch_npu.op_plugin.meta._meta_registrations")
+    module.__file__ = str(metas)
+    sys.modules[module.__name__] = module
+    exec(compile(metas.read_text(), str(metas), "exec"), module.__dict__)
 
 
 # --------------------------------------------------------------------------- conversion result
@@ -640,148 +355,74 @@ class Conversion:
     fx: list[FxCheck]  # one per FX graph dynamo handed to torchair
     seconds: float  # wall time from the first call to the C++ boundary
     boundary: str  # the stand-in's message: proof conversion finished and GE load was next
-    configs: list[Any]  # the CompilerConfig objects torchair received (after our dump settings)
 
     @property
     def optimized(self) -> list[GeGraph]:
         """The graphs as they would be handed to GE (after torchair's GE graph passes)."""
         return [g for g in self.graphs if g.name.startswith("dynamo_optimized")]
 
+    @property
+    def without_converter(self) -> list[str]:
+        return sorted({t for check in self.fx for t in check.without_converter})
+
 
 # --------------------------------------------------------------------------- install / convert
-_PREFIXES = ("torchair", "torch_npu", "npugraph_ex")  # top-level names whose sys.modules entries we own
-
-
-@dataclass
-class _Loaded:
-    """torchair as imported the first time in this process. torchair cannot be imported twice in
-    one process (its modules define torch ops only if absent and then import names that only the
-    first import defines), and torch keys converters on our op objects, so the modules and our op
-    library are kept for the whole process and put back into sys.modules by every later install."""
-
-    root: Path
-    schemas: dict[str, OpSchema]
-    lib: torch.library.Library
-    modules: dict[str, types.ModuleType]
-
-
-_LOADED: list[_Loaded] = []  # at most one
-
-
-def _owned(name: str) -> bool:
-    return name.split(".")[0] in _PREFIXES
-
-
 class OfflineTorchair:
-    """Context manager: the real torchair, with stand-ins only at the C++ boundary (see module doc)."""
+    """The real torchair, with stand-ins only at the C++ boundary (see the module docstring)."""
 
-    def __init__(self, directory: Path | None = None, soc: str = DEFAULT_SOC):
-        self.directory, self.soc = directory, soc
-        self.root: Path | None = None
-        self.schemas: dict[str, OpSchema] = {}
-        self.torchair: types.ModuleType | None = None
-        self._saved_modules: dict[str, types.ModuleType] = {}
-        self._saved_signals: dict[int, Any] = {}
-        self._saved_remaps: dict | None = None
-        self._added_is_npu = False
+    _installed: OfflineTorchair | None = None
 
-    # ----------------------------------------------------------------- install
-    def __enter__(self) -> OfflineTorchair:
-        if not _LOADED:
-            self._check_air_namespace()
-        self._saved_modules = {k: v for k, v in sys.modules.items() if _owned(k)}
-        self._saved_signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-        from torch.distributed import _functional_collectives as fc
+    def __init__(self, root: Path, schemas: dict[str, OpSchema], lib: torch.library.Library, soc: str):
+        self.root, self.schemas, self.soc, self._lib = root, schemas, soc, lib
+        self.torchair = sys.modules["torchair"]
 
-        self._saved_remaps = dict(fc.traceable_collective_remaps)
-        try:
-            for name in self._saved_modules:
-                del sys.modules[name]
-            if not hasattr(torch.Tensor, "is_npu"):  # torch_npu adds it; torchair asks it of every graph input
-                torch.Tensor.is_npu = property(lambda t: False)  # CPU tensors: torchair skips NPU formats
-                self._added_is_npu = True
-            loaded = _LOADED[0] if _LOADED else self._first_import()
-            sys.modules.update(loaded.modules)
-            sys.modules["torch_npu.npu"].get_device_name = lambda device=None: self.soc  # converters: is_arch35()
-            self.root, self.schemas, self.torchair = loaded.root, loaded.schemas, loaded.modules["torchair"]
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def _first_import(self) -> _Loaded:
-        root = extract(fetch_wheel(self.directory))
+    @classmethod
+    def install(cls, directory: Path | None = None, soc: str = DEFAULT_SOC) -> OfflineTorchair:
+        """Import torchair from the wheel into this process (once; later calls return the same object)."""
+        if cls._installed is not None:
+            if cls._installed.soc != soc:
+                raise GeOfflineError(f"torchair is installed for SoC {cls._installed.soc}; start a new process")
+            return cls._installed
+        _check_air_namespace()
+        if any(name.split(".")[0] in ("torch_npu", "torchair") for name in sys.modules):
+            raise GeOfflineError("torch_npu or torchair is already imported in this process; run in a fresh process")
+        root = extract(fetch_wheel(directory))
         schemas = read_schemas(root / Path(OPS_YAML_IN_WHEEL).name)
-        lib = _register_fused_ops(schemas)
-        sys.modules.update(_torch_npu_stand_in(self.soc))
-        sys.modules.update({f"torchair.core.{name}": mod for name, mod in _compiled_stand_ins().items()})
+        lib = _define_ops(schemas)
+        sys.modules.update(_torch_npu_stand_in(soc, schemas))
+        _run_metas(root / Path(METAS_IN_WHEEL).name)  # after the stand-in: they import torch_npu's utilities
+        sys.modules.update(_compiled_stand_ins())
+        if not hasattr(torch.Tensor, "is_npu"):  # torch_npu adds it; torchair asks it of every graph input
+            torch.Tensor.is_npu = property(lambda t: False)  # CPU tensors: torchair skips NPU formats
+        handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         sys.path.insert(0, str(root))
         try:
             air = importlib.import_module("torchair")
         finally:
             sys.path.remove(str(root))
+        for sig, handler in handlers.items():  # torchair's import installs its own SIGINT/SIGTERM handlers
+            signal.signal(sig, handler)
         if Path(air.__file__).resolve().parent != (root / "torchair").resolve():
             raise GeOfflineError(f"imported torchair from {air.__file__}, not from {root}")
         for name in COMPILED_MODULES:  # `from . import _torchair` binds the parent attribute; bind all four
             setattr(sys.modules["torchair.core"], name, sys.modules[f"torchair.core.{name}"])
         with warnings.catch_warnings():
             # torchair imports its custom-op converters lazily, one module per torch_npu op, and warns
-            # for each op this stand-in lacks (sparse_flash_attention, ...). Import them now, quietly:
-            # a converter missing for an op in OUR graph is reported per graph by FxCheck instead.
+            # for each op whose Python half we lack. Import them now, quietly: a converter missing for
+            # an op in OUR graph is reported per graph by FxCheck instead.
             warnings.filterwarnings("ignore", "Failed to import torchair", UserWarning)
             importlib.import_module("torchair._ge_concrete_graph.ge_converter.custom")
-        # torchair's import registers a device-session atexit hook (GE finalize): not ours to keep.
+        # torchair's import registers a device-session atexit hook (GE finalize): nothing to finalize here.
         atexit.unregister(importlib.import_module("torchair.core._backend").finalize_graph_engine)
-        loaded = _Loaded(root, schemas, lib, {k: v for k, v in sys.modules.items() if _owned(k)})
-        _LOADED.append(loaded)
-        return loaded
+        cls._installed = cls(root, schemas, lib, soc)
+        return cls._installed
 
-    def __exit__(self, *exc) -> None:
-        if _LOADED and self.torchair is not None:  # keep what torchair imported lazily meanwhile, too
-            _LOADED[0].modules.update({k: v for k, v in sys.modules.items() if _owned(k)})
-        for name in [k for k in sys.modules if _owned(k)]:
-            del sys.modules[name]
-        sys.modules.update(self._saved_modules)
-        for sig, handler in self._saved_signals.items():  # torchair's import installs SIGINT/SIGTERM handlers
-            signal.signal(sig, handler)
-        if self._saved_remaps is not None:  # ... and patches torch.distributed's traceable collectives
-            from torch.distributed import _functional_collectives as fc
-
-            fc.traceable_collective_remaps.clear()
-            fc.traceable_collective_remaps.update(self._saved_remaps)
-        if self._added_is_npu:
-            del torch.Tensor.is_npu
-            self._added_is_npu = False
-        torch._dynamo.reset()  # compiled code refers to torchair's backend: never reuse it
-        self.torchair = None
-
-    @staticmethod
-    def _check_air_namespace() -> None:
-        packet = getattr(torch.ops.air, "scope_enter", None) if hasattr(torch.ops, "air") else None
-        if packet is None:
-            return
-        schema = str(packet.default._schema)
-        if schema.split(" -> ")[0] != REAL_SCOPE_ENTER:
-            raise GeOfflineError(
-                f"torch.ops.air.scope_enter is already defined in this process as {schema!r} (a test double?), "
-                f"and torchair would reuse it instead of its own {REAL_SCOPE_ENTER!r}: run the GE check in a "
-                "fresh process"
-            )
-
-    # ----------------------------------------------------------------- convert
-    @contextlib.contextmanager
-    def dumping(self, dump_dir: Path):
-        """While active, every `torchair.get_npu_backend(compiler_config=cfg)` and
-        `torchair.inference.cache_compile(func, config=cfg, ...)` call (ours or the adapter's) gets
-        `cfg` with a pbtxt graph dump into `dump_dir` and a read-only post-grad pass that records
-        the FX targets and which have no converter. Yields (configs, fx checks)."""
-        air = self.torchair
-        if air is None:
-            raise GeOfflineError("OfflineTorchair is not installed (use it as a context manager)")
+    def instrument(self, cfg: Any, dump_dir: Path) -> list[FxCheck]:
+        """Make the CompilerConfig `cfg` (the adapter's own) dump every GE graph as pbtxt into
+        `dump_dir` and record, per FX graph handed to torchair, its targets and which have no GE
+        converter (a read-only post-grad pass). Returns the list the pass fills."""
         fx2ge = importlib.import_module("torchair._ge_concrete_graph.fx2ge_converter")
         fx_compiler = importlib.import_module("torchair.npu_fx_compiler")
-        real_get = air.get_npu_backend
-        configs: list[Any] = []
         checks: list[FxCheck] = []
 
         def needs_converter(target) -> bool:
@@ -811,67 +452,57 @@ class OfflineTorchair:
                     check.without_converter.append(str(target))
             checks.append(check)
 
-        def instrument(cfg):
-            cfg = cfg if cfg is not None else air.CompilerConfig()
-            cfg.debug.graph_dump.type = "pbtxt"
-            cfg.debug.graph_dump.path = str(dump_dir)
-            previous = cfg.post_grad_custom_post_pass.value
+        previous = cfg.post_grad_custom_post_pass.value
 
-            def post_pass(gm, *rest):
-                if previous is not None:
-                    previous(gm, *rest)
-                observe(gm)
-
-            cfg.post_grad_custom_post_pass = post_pass
-            configs.append(cfg)
-            return cfg
-
-        def get_npu_backend(*, compiler_config=None, custom_decompositions=None):
-            return real_get(
-                compiler_config=instrument(compiler_config), custom_decompositions=custom_decompositions or {}
-            )
-
-        def cache_compile(func, *, config=None, **kwargs):
-            # torchair.inference.cache_compile builds its backend internally (not via get_npu_backend).
-            # Note: the post pass is part of its cache key (torchair digests post_grad_custom_post_pass).
-            return real_cache_compile(func, config=instrument(config), **kwargs)
+        def post_pass(gm, *rest):
+            if previous is not None:
+                previous(gm, *rest)
+            observe(gm)
 
         dump_dir.mkdir(parents=True, exist_ok=True)
-        real_cache_compile = air.inference.cache_compile
-        air.get_npu_backend, air.inference.cache_compile = get_npu_backend, cache_compile
-        try:
-            yield configs, checks
-        finally:
-            air.get_npu_backend, air.inference.cache_compile = real_get, real_cache_compile
+        cfg.debug.graph_dump.type = "pbtxt"
+        cfg.debug.graph_dump.path = str(dump_dir)
+        cfg.post_grad_custom_post_pass = post_pass
+        return checks
 
-    def convert(self, make_step: Callable[[], Callable], args: tuple, dump_dir: Path) -> Conversion:
-        """Build a compiled step with `make_step()` (e.g. the adapter's compile_ge(...).step, or
-        torch.compile with `torchair.get_npu_backend`), call it once with `args`, and return the
-        GE graphs torchair dumped before the C++ load step. A failure before that step is a
-        GeOfflineError naming the FX targets without a converter when there are any, else it
-        propagates as raised."""
+    def convert(self, first_call: Callable[[], Any], dump_dir: Path, checks: list[FxCheck]) -> Conversion:
+        """Run `first_call` (the compiled decode step's first call, with a config `instrument`ed for
+        `dump_dir`) and return the GE graphs torchair dumped before the C++ load step. A failure
+        before that step is a GeOfflineError naming the FX targets without a converter when there
+        are any, else it propagates as raised."""
         dump_dir = Path(dump_dir)
-        before = set(dump_dir.glob("*.pbtxt")) if dump_dir.is_dir() else set()
-        # catch_warnings: torchair's config check sets a process-wide "once" filter for UserWarning
-        with self.dumping(dump_dir) as (configs, checks), warnings.catch_warnings():
-            step = make_step()
-            t0 = time.perf_counter()
+        before = set(dump_dir.glob("*.pbtxt"))
+        t0 = time.perf_counter()
+        with warnings.catch_warnings():  # torchair's config check sets a process-wide "once" filter
             try:
-                step(*args)
+                first_call()
             except Exception as exc:  # torchair wraps errors; find our stand-in's message in the chain
                 boundary = _find_boundary(exc)
                 missing = sorted({t for check in checks for t in check.without_converter})
                 if boundary is None and missing:
-                    raise GeOfflineError(f"FX targets without a GE converter: {', '.join(missing)}") from exc
+                    raise ConversionFailed(f"FX targets without a GE converter: {', '.join(missing)}", missing) from exc
                 if boundary is None:
                     raise
-            else:  # e.g. a cache_compile hit that ran a graph saved earlier, or a backend that is not torchair
-                raise GeOfflineError("the compiled step ran without reaching GE's load step: nothing was converted")
-            seconds = time.perf_counter() - t0
+            else:  # e.g. a compile-cache hit that ran a saved graph, or a backend that is not torchair
+                raise ConversionFailed("the compiled step ran without reaching GE's load step: nothing was converted")
+        seconds = time.perf_counter() - t0
         dumps = sorted(set(dump_dir.glob("*.pbtxt")) - before, key=lambda p: p.stat().st_mtime_ns)
         if not dumps:
-            raise GeOfflineError(f"conversion reached the GE load step but wrote no pbtxt into {dump_dir}")
-        return Conversion([parse_pbtxt(p) for p in dumps], checks, seconds, boundary, configs)
+            raise ConversionFailed(f"conversion reached the GE load step but wrote no pbtxt into {dump_dir}")
+        return Conversion([parse_pbtxt(p) for p in dumps], checks, seconds, boundary)
+
+
+def _check_air_namespace() -> None:
+    packet = getattr(torch.ops.air, "scope_enter", None) if hasattr(torch.ops, "air") else None
+    if packet is None:
+        return
+    schema = str(packet.default._schema)
+    if schema.split(" -> ")[0] != REAL_SCOPE_ENTER:
+        raise GeOfflineError(
+            f"torch.ops.air.scope_enter is already defined in this process as {schema!r} (a test double?), "
+            f"and torchair would reuse it instead of its own {REAL_SCOPE_ENTER!r}: run the GE check in a "
+            "fresh process"
+        )
 
 
 def _find_boundary(exc: BaseException | None) -> str | None:
