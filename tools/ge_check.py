@@ -25,7 +25,6 @@ import io
 import json
 import sys
 import tempfile
-import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -299,8 +298,6 @@ def main(argv: list[str] | None = None) -> int:
         air = ge_offline.OfflineTorchair.install(soc=args.soc)
     except ge_offline.GeOfflineError as exc:
         raise GeCheckError(str(exc)) from None
-    # torchair reminds that frozen_parameter fixes parameter addresses: true of the runner, noise here
-    warnings.filterwarnings("ignore", "When enable frozen_parameter", UserWarning)
     dump_root = Path(args.dump_dir) if args.dump_dir else Path(tempfile.mkdtemp(prefix="ge_check_"))
     print(NOT_AN_NPU_RUN.format(version=ge_offline.TORCH_NPU_VERSION, soc=args.soc), flush=True)
     report: dict = {
