@@ -272,7 +272,7 @@ class _NpuGraphBackend(Backend):
         self.cache_dir = keyed_cache_dir(cache_root(mc), self.cache_key) if mc.enable_cache_compile else None
 
     def compile_options(self) -> dict:
-        """Backend options that are not in torchair's own cache key (plain data)."""
+        """What the backend hands its compiler besides the graph (plain data; part of the cache key)."""
         return {}
 
     def scope_factory(self) -> ScopeFactory | None:
