@@ -31,8 +31,8 @@ import torch
 
 from executor import logs, ops
 from executor.arch import ArchError, ModelArch, load_arch
-from executor.backends.base import Backend, CompiledStep
-from executor.compile import select_backend
+from executor.backends.base import Backend, CompiledStep, DecodeSpec
+from executor.compile import resolve_dtype, select_backend
 from executor.config import ConfigError, RunConfig, to_dict
 from executor.context import ExecutionContext
 from executor.datasets import load_prompts
@@ -79,8 +79,9 @@ class ModelRunner:
         self.cfg, self.platform, self.out_dir = cfg, platform, out_dir
         self.stream = stream or sys.stdout
         mc = cfg.model_config
-        self.name, self.dtype = mc.model_name, DTYPES[mc.dtype]
-        self.device = torch.device(platform.kind)
+        self.name = mc.model_name
+        self.dtype_name = resolve_dtype(mc.dtype, platform)  # first: float32 on NPU stops before anything is read
+        self.dtype = DTYPES[self.dtype_name]
         self.model_path = resolve_model_path(self.recipe, mc.model_path)
         self.arch = load_arch(self.model_path, mc.debug_size)
         if self.model_types and self.arch.model_type not in self.model_types:
@@ -89,24 +90,40 @@ class ModelRunner:
                 f"{self.recipe} recipe (it runs {', '.join(self.model_types)})"
             )
         torch.manual_seed(mc.seed)
-        self.use_backend(select_backend(mc, platform))
         self.model = self.build_model(self.arch).to(self.dtype)
-        if mc.with_ckpt:
-            load_weights(self.model, self.model_path, self.dtype, self.remap_weights)
-        else:
-            init_random(self.model, mc.seed)
-        self.model.to(self.device).eval()
-        self.tokenizer = Tokenizer.from_file(self._tokenizer_path())
         sk = mc.superkernel
         self.plan: ScopePlan = (
             build_plan(self.model.regions(), sk.plan, sk.options, sk.custom, mc.model_name)
             if mc.superkernel_enabled
             else NO_PLAN
         )
+        # The backend is chosen once the plan is known (the compile cache is keyed on it) and
+        # before any weight is read, so an impossible request costs no loading time.
+        self.use_backend(select_backend(self.decode_spec(), platform))
+        if mc.with_ckpt:
+            load_weights(self.model, self.model_path, self.dtype, self.remap_weights)
+        else:
+            init_random(self.model, mc.seed)
+        self.device = torch.device(platform.kind)
+        self.model.to(self.device).eval()
+        self.tokenizer = Tokenizer.from_file(self._tokenizer_path())
         self.decode_scopes = ScopeRunner(self.plan, active=True)
         self.cache: KVCache | None = None
         self.truncation: list[dict] = []  # per row: prompt tokens given and kept, set by encode_prompts
         self.now = timer(platform)
+
+    @property
+    def max_len(self) -> int:
+        """Static KV-cache slots: the longest prompt kept plus every generated token."""
+        return self.cfg.data_config.input_truncated_len + self.cfg.scheduler_config.max_new_tokens
+
+    def decode_spec(self) -> DecodeSpec:
+        """What the decode step is compiled for: this run's static shapes, dtype, plan and device."""
+        cfg = self.cfg
+        batch = cfg.scheduler_config.batch_size
+        return DecodeSpec(
+            cfg.model_config, self.arch, self.dtype_name, batch, self.max_len, self.plan, self.platform.device_name
+        )
 
     def use_backend(self, backend: Backend) -> None:
         """Run the decode step with `backend` from now on (compiled on next use): the same model
@@ -142,12 +159,11 @@ class ModelRunner:
         The cache is sized from config only, so every call has the same shapes (no recompiles).
         Reusing it is safe: each slot a query can see is rewritten by prefill before it is read."""
         if self.cache is None or self.cache.k[0].shape[0] != batch:
-            max_len = self.cfg.data_config.input_truncated_len + self.cfg.scheduler_config.max_new_tokens
             self.cache = KVCache(
                 len(self.model.layers),
                 batch,
                 self.arch.num_kv_heads,
-                max_len,
+                self.max_len,
                 self.arch.head_dim,
                 self.dtype,
                 self.device,
@@ -249,7 +265,8 @@ class ModelRunner:
         prompt_ids = self.encode_prompts()
         self.log(
             f"[run] {mc.model_name}: {self.arch.model_type} from {self.arch.source}, "
-            f"{'checkpoint' if mc.with_ckpt else 'random'} weights, {mc.dtype}, platform {self.platform.describe()}, "
+            f"{'checkpoint' if mc.with_ckpt else 'random'} weights, {self.dtype_name}, "
+            f"platform {self.platform.describe()}, "
             f"exe_mode {mc.exe_mode}, superkernel {'plan ' + self.plan.name if mc.superkernel_enabled else 'off'}"
         )
         # Warm-up on the same shapes: compiles the decode step (idempotent: same tokens, same slots).
@@ -316,7 +333,7 @@ class ModelRunner:
             "torch_version": torch.__version__,
             "exe_mode": mc.exe_mode,
             "backend": report.backend,
-            "dtype": mc.dtype,
+            "dtype": self.dtype_name,  # resolved (config may say auto)
             "ops": ops.implementations(self.context.op_table),
             "superkernel": {
                 "requested": mc.superkernel_enabled,

@@ -32,6 +32,7 @@ if __package__ in (None, ""):  # `python tools/scope_search.py`: make the repo i
 import yaml
 
 from executor import stats
+from executor.compile import resolve_dtype
 from executor.config import ConfigError, load_config
 from executor.errors import run_command
 from executor.paths import CONFIGS_DIR, MODELS_DIR, REPO_ROOT, results_dir
@@ -287,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     space_path = Path(args.search_space).resolve() if args.search_space else DEFAULT_SPACE
     space = load_search_space(space_path)
     tokens = min(args.check_tokens, cfg.scheduler_config.max_new_tokens)
-    cosine_min = args.cosine_min if args.cosine_min is not None else measure.COSINE_MIN[cfg.model_config.dtype]
+    dtype = resolve_dtype(cfg.model_config.dtype, platform)
+    cosine_min = args.cosine_min if args.cosine_min is not None else measure.COSINE_MIN[dtype]
     out = _out_dir(args)
     progress = measure.Progress("scope_search")
     search = Search(st, out, progress, args.overrides, tokens, cosine_min, args.runs, args.warmup)

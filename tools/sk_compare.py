@@ -371,7 +371,7 @@ def _model_and_scope(r: Report) -> list[str]:
         model = [
             f"- recipe `{r.args.model}`, model_name `{mc.model_name}`"
             + (f", {m0['model_type']} from {source}" if m0 else ""),
-            f"- weights: {weights}, dtype {mc.dtype}",
+            f"- weights: {weights}, dtype {m0.get('dtype', mc.dtype)}",
             f"- batch size {r.cfg.scheduler_config.batch_size}, max_new_tokens "
             f"{r.cfg.scheduler_config.max_new_tokens}, {len(r.cfg.data_config.prompts)} prompt(s)",
         ]
