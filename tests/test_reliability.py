@@ -23,7 +23,7 @@ from executor.config import load_config
 from executor.platform import detect
 from models.qwen.models.runner_qwen import QwenRunner
 from tests.test_config_cli import CompletedRun, assert_user_error
-from tests.tool_fixtures import TINY_DENSE, TINY_MOE
+from tests.tool_fixtures import TINY_DENSE, TINY_MOE, recipe_config
 
 REPO = Path(__file__).resolve().parent.parent
 EAGER = ["--set", "model_config.exe_mode=eager", "--set", "model_config.enable_superkernel=false"]
@@ -253,3 +253,118 @@ def test_first_bad_row():
         logits[row, 5] = value
         assert first_bad_row(logits) == row
     assert first_bad_row(torch.full((2, 4), 3e38)) is None  # the sum is inf, every logit is finite
+
+
+# ----------------------------------------------------------------------------- sk_compare
+@pytest.fixture
+def tool_config(tmp_path, shared_dir) -> Path:
+    return recipe_config(tmp_path / "recipe.yaml", shared_dir / "tiny_dense", shared_dir / "compile_cache")
+
+
+def upstream_log(path: Path, steps: list[float], extra: tuple[str, ...] = ()) -> Path:
+    """A cann-recipes-infer log: logger prefixes, a prefill line, one line per decode step."""
+    lines = ["[2025-06-01 10:00:00] [INFO] [rank 0] loading weights ..."]
+    lines += ["[2025-06-01 10:00:01] [INFO] [rank 0] qwen3_8b inference time cost of prefill is 41.12 ms"]
+    lines += [
+        f"[2025-06-01 10:00:02] [INFO] [rank 0] qwen3_8b inference time cost of decode is {x:.2f} ms" for x in steps
+    ]
+    path.write_text("\n".join([*lines, *extra]) + "\n")
+    return path
+
+
+def steady(ms: float, n: int = 64) -> list[float]:
+    """n decode steps around `ms` with a deterministic spread of +-0.2% (well under 1%)."""
+    return [ms * (1 + 0.001 * ((i * 7) % 5 - 2)) for i in range(n)]
+
+
+BAD_TIMINGS = {
+    "negative": ("qwen3_8b inference time cost of decode is -1.50 ms", "-1.5 is not a positive time"),
+    "zero": ("qwen3_8b inference time cost of decode is 0.00 ms", "0 is not a positive time"),
+    "infinite": ("qwen3_8b inference time cost of decode is inf ms", "'inf' is not a number"),
+    "overflow": ("qwen3_8b inference time cost of decode is 1e999 ms", "inf is not a positive time"),
+    "nan": ("qwen3_8b inference time cost of decode is nan ms", "'nan' is not a number"),
+    "zero_average": ("qwen3_8b average inference time cost is 0 ms", "0 is not a positive time"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_TIMINGS))
+def test_from_logs_rejects_unusable_timings_with_file_and_line(case, tmp_path, capsys, tool_config):
+    line, needle = BAD_TIMINGS[case]
+    base = upstream_log(tmp_path / "base.log", steady(15.47, 8))
+    opt = upstream_log(tmp_path / "opt.log", steady(13.01, 8))
+    text = opt.read_text().splitlines()
+    opt.write_text("\n".join([*text[:3], line, *text[3:], line]) + "\n")  # line 4 and the last line
+    out = tmp_path / "cmp"
+    args = ["compare", "--config", str(tool_config), "--from-logs", str(base), str(opt), "--out", str(out)]
+    assert_user_error(run(capsys, *args), f"{opt}:4", needle, "2 such lines")
+    assert not (out / "results.json").exists()
+
+
+def test_from_logs_directory_is_not_a_missing_file(tmp_path, capsys, tool_config):
+    good = upstream_log(tmp_path / "good.log", steady(10.0, 8))
+    args = ["compare", "--config", str(tool_config), "--from-logs", str(tmp_path), str(good)]
+    assert_user_error(run(capsys, *args, "--out", str(tmp_path / "o")), str(tmp_path), "is a directory")
+
+
+def test_from_logs_one_run_a_side_judged_from_the_steps(tmp_path, capsys, tool_config):
+    """The issue's upstream example: 64 steps a side, 15.47 vs 13.01 ms/step, spread well under 1%."""
+    base = upstream_log(tmp_path / "base.log", steady(15.47) + [40.0], ("done",))  # one outlier, two plain lines
+    opt = upstream_log(tmp_path / "opt.log", steady(13.01))
+    out = tmp_path / "clear"
+    proc = run(capsys, "compare", "--config", str(tool_config), "--from-logs", str(base), str(opt), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads((out / "results.json").read_text())
+    s = res["summary"]
+    assert s["exceeds_noise"] is True and s["noise_method"].startswith("per-step bootstrap (64 vs 64 decode steps")
+    assert s["speedup"] == pytest.approx(15.47 / 13.01, rel=2e-3)
+    assert "beyond the noise" in res["conclusion"] and "1.19x" in res["conclusion"]
+    assert "does not exceed" not in res["conclusion"]
+    assert "decided by per-step bootstrap" in (out / "superkernel_optimization_report.md").read_text()
+    # how many lines were left out, and why
+    assert f"baseline: {base}: 65 per-step decode line(s), 1 left out as outliers (IQR rule), 2 line(s)" in proc.stdout
+    # genuinely overlapping samples: the same step times in another order, 0.01 ms apart
+    noisy = [10.0 + 0.4 * ((i * 7) % 11 - 5) / 5 for i in range(64)]
+    base = upstream_log(tmp_path / "base2.log", noisy)
+    opt = upstream_log(tmp_path / "opt2.log", [noisy[(i * 13) % 64] + 0.01 for i in range(64)])
+    out = tmp_path / "noise"
+    proc = run(capsys, "compare", "--config", str(tool_config), "--from-logs", str(base), str(opt), "--out", str(out))
+    res = json.loads((out / "results.json").read_text())
+    assert proc.returncode == 0 and res["summary"]["exceeds_noise"] is False
+    assert "does not exceed the noise" in res["conclusion"] and "per-step bootstrap" in res["conclusion"]
+
+
+def _no_runs(out: Path) -> bool:
+    return not list(out.glob("*.log")) and not (out / "runs").exists() and not (out / "results.json").exists()
+
+
+SK_COMPARE_PREFLIGHT = {
+    "plan_moe_on_dense": (["--plan", "moe"], ["'moe' marks no region"]),
+    "empty_model_name": (["--set", "model_config.model_name="], ["model_config.model_name", "empty"]),
+    "impossible_batch": (["--set", "scheduler_config.batch_size=100000000"], ["memory:", "batch_size 100000000"]),
+    "bad_custom_plan": (["--plan", "custom"], ["model_config.superkernel.custom", "custom"]),
+}
+
+
+@pytest.mark.parametrize("case", list(SK_COMPARE_PREFLIGHT))
+def test_sk_compare_validates_both_sides_before_running_anything(case, tmp_path, capsys, tool_config):
+    args, needles = SK_COMPARE_PREFLIGHT[case]
+    out = tmp_path / "cmp"
+    proc = run(capsys, "compare", "--config", str(tool_config), *args, "--out", str(out))
+    assert_user_error(proc, *needles)
+    assert _no_runs(out), list(out.iterdir())
+
+
+def test_sk_compare_cache_dir_and_out_that_cannot_be_used(tmp_path, capsys, tool_config):
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    base = ["compare", "--config", str(tool_config)]
+    proc = run(capsys, *base, "--set", f"model_config.cache_dir={afile}", "--out", str(tmp_path / "c1"))
+    assert_user_error(proc, "model_config.cache_dir", "is a file")
+    assert _no_runs(tmp_path / "c1")
+    assert_user_error(run(capsys, *base, "--out", str(afile)), "--out", "is a file")
+    assert_user_error(run(capsys, *base, "--out", str(afile / "sub")), "--out", "cannot be written")
+    run_dir = tmp_path / "a_run"
+    run_dir.mkdir()
+    (run_dir / "metrics.json").write_text("{}")
+    assert_user_error(run(capsys, *base, "--out", str(run_dir)), "a run of bash infer.sh", "metrics.json")
+    assert afile.read_text() == "x" and (run_dir / "metrics.json").read_text() == "{}"
