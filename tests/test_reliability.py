@@ -368,3 +368,132 @@ def test_sk_compare_cache_dir_and_out_that_cannot_be_used(tmp_path, capsys, tool
     (run_dir / "metrics.json").write_text("{}")
     assert_user_error(run(capsys, *base, "--out", str(run_dir)), "a run of bash infer.sh", "metrics.json")
     assert afile.read_text() == "x" and (run_dir / "metrics.json").read_text() == "{}"
+
+
+# ----------------------------------------------------------------------------- scope_search
+SPACE = "builtin_plans: [attention, decoder]\n"
+BAD_SPACES = {
+    "malformed": ("builtin_plans: [attention\n", ["malformed YAML", "line"]),
+    "not_a_mapping": ("- attention\n", ["top level must be a mapping"]),
+    "duplicate_key": ("builtin_plans: [attention]\nbuiltin_plans: [layer]\n", ["'builtin_plans' appears twice"]),
+    "plans_not_a_list": ("builtin_plans: attention\n", ["builtin_plans: expected a list"]),
+    "variants_not_a_mapping": ("option_variants: [stream-fusion=1]\n", ["option_variants: expected a mapping"]),
+    "variant_not_a_string": ("option_variants: {cpu: [1]}\n", ["option_variants.cpu", "options strings"]),
+    "custom_name_not_a_string": ("custom: [{name: [a], scopes: [{regions: [x], label: y}]}]\n", ["custom[0]"]),
+    "not_utf8": (b"builtin_plans: [\xff]\n", ["not UTF-8"]),
+    "directory": (None, ["is a directory"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SPACES))
+def test_bad_search_space(case, tmp_path, capsys, tool_config):
+    content, needles = BAD_SPACES[case]
+    space = tmp_path / "space.yaml"
+    if content is None:
+        space.mkdir()
+    else:
+        space.write_bytes(content.encode() if isinstance(content, str) else content)
+    out = tmp_path / "search"
+    proc = run(capsys, "search", "--config", str(tool_config), "--search-space", str(space), "--out", str(out))
+    assert_user_error(proc, str(space), *needles)
+    assert not out.exists()
+
+
+def test_search_out_that_cannot_be_used(tmp_path, capsys, tool_config):
+    space = tmp_path / "space.yaml"
+    space.write_text(SPACE)
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    run_dir = tmp_path / "a_run"
+    run_dir.mkdir()
+    (run_dir / "metrics.json").write_text("{}")
+    base = ["search", "--config", str(tool_config), "--search-space", str(space)]
+    for out, needle in (
+        (afile, "is a file"),
+        (afile / "sub", "cannot be written"),
+        (run_dir, "a run of bash infer.sh"),
+    ):
+        assert_user_error(run(capsys, *base, "--out", str(out)), "--out", needle)
+    assert afile.read_text() == "x" and sorted(p.name for p in run_dir.iterdir()) == ["metrics.json"]
+
+
+@pytest.fixture
+def searched(tmp_path, capsys, tool_config, monkeypatch):
+    """A search whose eager reference ran but no candidate did (--max-minutes 0), in a results
+    tree of its own (MODELS_DIR patched) so that --resume looks there."""
+    import tools.scope_search as scope_search
+
+    models = tmp_path / "models"
+    monkeypatch.setattr(scope_search, "MODELS_DIR", models)
+    space = tmp_path / "space.yaml"
+    space.write_text(SPACE)
+    out = models / "qwen" / "res" / "2025-01-01" / "scope_search_000000"
+    common = ["--config", str(tool_config), "--search-space", str(space), "--runs", "1", "--warmup", "0"]
+    proc = run(capsys, "search", *common, "--out", str(out), "--max-minutes", "0")
+    assert proc.returncode == 1 and "unfinished" in proc.stdout, proc.stderr
+    return out, common, scope_search
+
+
+def test_killed_search_says_unfinished_and_resume_finds_it(searched, capsys, monkeypatch):
+    out, common, scope_search = searched
+    on_disk = []
+
+    def killed(search, cand, rec, position):  # what kill -9 at this moment leaves is what is on disk now
+        on_disk.append(json.loads((out / "search_status.json").read_text()))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(scope_search, "run_candidate", killed)
+    assert run(capsys, "search", *common, "--out", str(out)).returncode == 130
+    left = on_disk[0]
+    assert left["state"] == "running" and left["candidates"]["baseline"]["status"] == "running"
+    for state in ("running", "complete"):  # this version's kill -9 state, and an older version's
+        left["state"] = state
+        (out / "search_status.json").write_text(json.dumps(left))
+        proc = run(capsys, "search", *common, "--resume", "--max-minutes", "0")  # no --out: found by --resume
+        assert proc.returncode == 1, proc.stderr
+        assert f"resuming {out}: 0 of 3 candidate(s) already finished" in proc.stderr
+        status = json.loads((out / "search_status.json").read_text())
+        assert status["state"] == "budget" and status["candidates"]["baseline"]["status"] == "pending"
+
+
+def _finish(out: Path, step_ms: dict[str, float]) -> None:
+    """Record every candidate as measured (one run each, 16 per-step samples spread +-0.2%), as a
+    finished search would have, so that --apply decides on known numbers."""
+    path = out / "search_status.json"
+    status = json.loads(path.read_text())
+    for name, rec in status["candidates"].items():
+        ms = step_ms[name]
+        samples = steady(ms, 16)
+        summary = {"runs": 1, "ok_runs": 1, "failed_runs": 0, "errors": [], "step_ms": ms, "step_ms_runs": [ms]}
+        summary |= {"step_ms_samples": samples, "step_ms_min": ms, "step_ms_max": ms, "cv_percent": 0.0}
+        summary |= {"stability": "unknown (1 run)", "tokens_per_s": 1000 / ms, "prefill_ms": 1.0, "peak_memory_mb": 1}
+        accuracy = {"passed": True, "first_mismatch": None, "cosine_last_step": 1.0}
+        rec.update(status="done", reason="ok", summary=summary, accuracy=accuracy)
+    status["state"] = "complete"
+    path.write_text(json.dumps(status))
+
+
+def test_apply_never_writes_a_plan_slower_than_the_baseline(searched, capsys, tool_config):
+    out, common, _ = searched
+    before = tool_config.read_bytes()
+    _finish(out, {"baseline": 2.0, "attention": 4.2, "decoder": 4.17})  # the best plan is 0.48x the baseline
+    proc = run(capsys, "search", *common, "--out", str(out), "--apply")
+    assert proc.returncode == 1
+    refusal = [ln for ln in proc.stderr.splitlines() if "--apply" in ln]
+    assert len(refusal) == 1 and "refused" in refusal[0] and "decoder" in refusal[0]
+    assert "slower than the no-SuperKernel baseline" in refusal[0] and "per-step bootstrap" in refusal[0]
+    assert tool_config.read_bytes() == before and not list(tool_config.parent.glob("*.bak-*"))
+    report = (out / "scope_search_report.md").read_text()
+    assert "--apply refuses to write it" in report and "0.48x" in report
+    status = json.loads((out / "search_status.json").read_text())
+    assert status["winner"] == "decoder" and status["apply_refused"]
+
+
+def test_apply_writes_a_plan_not_slower_than_the_baseline(searched, capsys, tool_config):
+    out, common, _ = searched
+    _finish(out, {"baseline": 4.0, "attention": 3.0, "decoder": 3.5})
+    proc = run(capsys, "search", *common, "--out", str(out), "--apply")
+    assert proc.returncode == 0, proc.stderr
+    assert "--apply: wrote attention" in proc.stdout
+    mc = load_config(tool_config).model_config
+    assert mc.superkernel_enabled and mc.superkernel.plan == "attention"
