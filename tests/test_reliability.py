@@ -232,6 +232,14 @@ def test_out_that_cannot_be_written_or_holds_another_commands_results(tmp_path, 
     assert (other / "results.json").read_text() == "{}" and not (other / "metrics.json").exists()
 
 
+def test_longbench_dataset_path_that_is_a_file(tmp_path, capsys):
+    afile = tmp_path / "LongBench.jsonl"
+    afile.write_text('{"context": "x"}\n')
+    args = ["--set", "data_config.dataset=LongBench", "--set", f"data_config.dataset_path={afile}"]
+    proc = run(capsys, "run", *EAGER, *args, "--out", str(tmp_path / "out"))
+    assert_user_error(proc, "data_config.dataset_path", str(afile), "is a file")
+
+
 def test_prompt_cut_is_logged_and_recorded(tmp_path, capsys):
     out = tmp_path / "out"
     long_prompt = "The weather today is " * 8
@@ -415,6 +423,27 @@ def test_search_out_that_cannot_be_used(tmp_path, capsys, tool_config):
     ):
         assert_user_error(run(capsys, *base, "--out", str(out)), "--out", needle)
     assert afile.read_text() == "x" and sorted(p.name for p in run_dir.iterdir()) == ["metrics.json"]
+
+
+@pytest.mark.parametrize(
+    "override, needles",
+    [
+        ("scheduler_config.batch_size=100000000", ["memory:", "batch_size 100000000"]),
+        ("model_config.cache_dir={file}", ["model_config.cache_dir", "is a file"]),
+    ],
+)
+def test_search_checks_what_every_candidate_shares_before_running_anything(
+    override, needles, tmp_path, capsys, tool_config
+):
+    space = tmp_path / "space.yaml"
+    space.write_text(SPACE)
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    out = tmp_path / "search"
+    args = ["search", "--config", str(tool_config), "--search-space", str(space), "--out", str(out)]
+    proc = run(capsys, *args, "--set", override.format(file=afile))
+    assert_user_error(proc, *needles)
+    assert not (out / "search_status.json").exists() and not (out / "logs").exists()
 
 
 @pytest.fixture

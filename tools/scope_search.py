@@ -355,6 +355,11 @@ def _search(args, search: Search, signature: dict, space: dict) -> int:
     # point (kill -9 included) is found again by --resume and continued.
     status["state"] = "running"
     budget_s = None if args.max_minutes is None else args.max_minutes * 60
+    # What every candidate shares (checkpoint config, memory, compile cache) is checked on the
+    # baseline's copy before anything runs; what differs (the plan) fails that candidate only.
+    changes, _ = measure.side_changes(cfg, None)
+    baseline = measure.write_side_config(config, out / "candidates" / "baseline.yaml", changes, args.overrides)
+    st.runner.check_before_run(baseline, platform)
     with measure.sigterm_as_interrupt():
         try:
             progress(f"eager reference: {tokens} greedy tokens on the config's prompts ...")
