@@ -216,10 +216,15 @@ def estimate(arch: ModelArch, cfg: RunConfig, kind: str, params: ParamCount, dty
         tokens = rows * q_len
         scores = 3 * rows * hq * q_len * t * 4  # fp32 scores, masked copy, softmax
         broadcast_kv = rows * hq * t * d * eb  # k (then v) expanded to every query head by the matmul
-        if arch.num_experts:
-            ffn = tokens * arch.num_experts_per_tok * (h + 3 * arch.moe_intermediate_size) * eb
-        else:
-            ffn = tokens * 3 * arch.intermediate_size * eb
+        e, k, i = arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size
+        if tokens * k <= e:  # gathered: the k chosen experts' weights are copied per token
+            moe = tokens * k * 3 * i * h * eb
+        elif q_len == 1:  # dense decode: every expert on every token
+            moe = tokens * e * (3 * i + h) * eb
+        else:  # grouped prefill: token copies per chosen expert
+            moe = tokens * k * (3 * h + 3 * i) * eb
+        layers = [arch.is_moe_layer(n) for n in range(arch.num_layers)]
+        ffn = max(moe if any(layers) else 0, tokens * 3 * arch.intermediate_size * eb if not all(layers) else 0)
         hidden = tokens * (6 * h + 3 * (hq + 2 * hkv) * d) * eb + 2 * tokens * d * 4 + rows * q_len * t
         return scores + broadcast_kv + ffn + hidden
 

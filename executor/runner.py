@@ -67,7 +67,9 @@ class ModelRunner:
     recipe = "base"
     model_types: tuple[str, ...] = ()
 
-    def build_model(self, arch: ModelArch) -> torch.nn.Module:  # overridden by each recipe
+    def build_model(self, arch: ModelArch) -> torch.nn.Module:
+        """Overridden by each recipe. Must depend on `arch` only: the pre-flight also calls it on
+        an uninitialised runner, under the meta device, for the regions and parameter count."""
         raise NotImplementedError
 
     def remap_weights(self, state: dict) -> dict:
@@ -178,7 +180,10 @@ class ModelRunner:
             used += len(p)
         return [*groups, (start, len(prompt_ids))]
 
-    def _prefill_rows(self, prompt_ids: list[list[int]], start: int, stop: int, scopes=PREFILL_SCOPES) -> torch.Tensor:
+    def _prefill_rows(
+        self, prompt_ids: list[list[int]], start: int, stop: int, scopes: ScopeRunner = PREFILL_SCOPES
+    ) -> torch.Tensor:
+        """Prefill rows [start, stop); `scopes` is replaced only by the NaN locator's region tracker."""
         rows = prompt_ids[start:stop]
         lengths = torch.tensor([len(p) for p in rows], device=self.device)
         ids = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long, device=self.device)  # (b, S) right-padded
