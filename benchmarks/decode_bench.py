@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from executor.arch import MODEL_SIZES, arch_from_dict  # noqa: E402
-from executor.cli import runner_class  # noqa: E402
 from executor.config import load_config  # noqa: E402
 from executor.platform import detect  # noqa: E402
+from executor.registry import default_config, runner_class  # noqa: E402
 from executor.tokenizer import BUILTIN_TOKENIZER  # noqa: E402
 
 PROMPT_LEN = 16
@@ -102,13 +102,15 @@ def our_decode(
         f"model_config.model_path={path}",
         "model_config.with_ckpt=true",
         f"model_config.exe_mode={exe_mode}",
+        "model_config.enable_cache_compile=false",  # every mode compiles cold, so compile_s compares
+        f"model_config.enable_superkernel={'true' if plan else 'false'}",
         f"scheduler_config.max_new_tokens={steps + 1}",
-        f"data_config.input_max_len={PROMPT_LEN}",
+        f"data_config.input_truncated_len={PROMPT_LEN}",
         f"model_config.tokenizer_path={BUILTIN_TOKENIZER}",
     ]  # ids are given; text is not used
     if plan:
-        overrides += ["model_config.superkernel.enable=true", f"model_config.superkernel.plan={plan}"]
-    cfg = load_config(ROOT / "models" / recipe / "config.yaml", overrides)
+        overrides.append(f"model_config.superkernel.plan={plan}")
+    cfg = load_config(default_config(recipe), overrides)
     runner = runner_class(recipe)(cfg, detect("cpu"), None)
     t0 = time.perf_counter()
     runner.generate([prompt], 2)  # warm-up + compile

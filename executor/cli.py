@@ -1,7 +1,8 @@
-"""Command line: `cann-recipes-infer [run|compare|search] ...` (infer.sh calls `run`).
+"""Command line: `cann-recipes-infer [run|compare|search|ge-check] ...` (infer.sh calls `run`).
 
-Every known failure (bad config, missing checkpoint, impossible platform request) prints one
-line `error: ...` and exits with code 2; tracebacks are for bugs only.
+Every known failure (bad config, missing checkpoint, impossible platform request: a
+executor.errors.RecipeError) prints one line `error: ...` and exits with code 2; anything else
+is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -11,75 +12,25 @@ import importlib
 import sys
 from pathlib import Path
 
-from executor.arch import REPO_ROOT
+from executor.errors import run_command
+from executor.paths import REPO_ROOT, claim_output_dir
+from executor.registry import config_path, recipe_parser, runner_class
 
-EXIT_USAGE = 2
-
-
-def user_errors() -> tuple[type[BaseException], ...]:
-    """Exception types that mean "bad input or impossible request", not a bug."""
-    from executor.arch import ArchError
-    from executor.backends.inductor import GraphBreakError, ScopeCheckError
-    from executor.compile import UnsupportedError
-    from executor.config import ConfigError
-    from executor.loader import LoadError
-    from executor.platform import PlatformError
-    from executor.scope import ScopeError
-    from executor.tokenizer import TokenizerError
-
-    return (
-        ArchError,
-        ConfigError,
-        GraphBreakError,
-        LoadError,
-        PlatformError,
-        ScopeError,
-        ScopeCheckError,
-        TokenizerError,
-        UnsupportedError,
-        FileNotFoundError,
-        ValueError,
-    )
-
-
-def recipes() -> list[str]:
-    return sorted(p.parent.name for p in (REPO_ROOT / "models").glob("*/config.yaml"))
-
-
-def runner_class(recipe: str):
-    if recipe not in recipes():
-        from executor.config import ConfigError
-
-        raise ConfigError(f"--model: {recipe!r} is not a recipe; allowed values: {', '.join(recipes())}")
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    return importlib.import_module(f"models.{recipe}.models.runner_{recipe}").RUNNER
+USAGE = "bash infer.sh"
+DESCRIPTION = (
+    "Run a model recipe: prefill + decode with the recipe's exe_mode and SuperKernel plan; "
+    "prints per-step timings (cann-recipes-infer log format) and writes metrics.json."
+)
+EPILOG = (
+    "examples:\n  bash infer.sh\n  bash infer.sh --set model_config.exe_mode=ge_graph "
+    "--set model_config.enable_superkernel=true --set model_config.superkernel.plan=attention\n"
+    "  bash infer.sh --model qwen --yaml qwen3_8b_1tp.yaml --set model_config.model_path=/data/Qwen3-8B\n"
+    "  bash infer.sh --model qwen --config my.yaml --set scheduler_config.max_new_tokens=32 --out /tmp/run"
+)
 
 
 def run_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="bash infer.sh",
-        description="Run a model recipe: prefill + decode with the recipe's exe_mode and SuperKernel plan; "
-        "prints per-step timings (cann-recipes-infer log format) and writes metrics.json.",
-        epilog="examples:\n  bash infer.sh\n  bash infer.sh --set model_config.exe_mode=ge_graph "
-        "--set model_config.superkernel.enable=true --set model_config.superkernel.plan=attention\n"
-        "  bash infer.sh --model qwen --config my.yaml --set scheduler_config.max_new_tokens=32 --out /tmp/run",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "--model",
-        default="qwen",
-        help=f"recipe directory under models/ (default: qwen; available: {', '.join(recipes())})",
-    )
-    p.add_argument("--config", help="recipe YAML (default: models/<model>/config.yaml)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, type-checked, e.g. scheduler_config.batch_size=2 (repeatable)",
-    )
+    p = recipe_parser(USAGE, DESCRIPTION, EPILOG, config_help="a recipe YAML anywhere (instead of --yaml)")
     p.add_argument("--out", help="output directory (default: models/<model>/res/<date>/<case>/)")
     return p
 
@@ -91,18 +42,19 @@ def cmd_run(argv: list[str]) -> int:
     from executor.runner import default_out_dir
 
     runner_cls = runner_class(args.model)
-    config = Path(args.config) if args.config else REPO_ROOT / "models" / args.model / "config.yaml"
+    config = config_path(args.model, args.yaml, args.config)
     cfg = load_config(config, args.overrides)
     platform = detect(cfg.model_config.device)
-    out = Path(args.out) if args.out else default_out_dir(cfg, args.model)
-    out.mkdir(parents=True, exist_ok=True)
-    log_file = (out / "infer.log").open("w")
-    stream = _Tee(sys.stdout, log_file)
-    runner = runner_cls(cfg, platform, out, stream)
-    metrics = runner.run()
-    sk = metrics["superkernel"]
-    stream.write(f"[run] superkernel requested={sk['requested']} ran={sk['ran']} plan={sk['plan']}; results in {out}\n")
-    stream.flush()
+    out = Path(args.out or cfg.model_config.output_path or default_out_dir(cfg, args.model))
+    where = "--out" if args.out else "model_config.output_path"
+    with claim_output_dir(out, "metrics.json", where), (out / "infer.log").open("w") as log_file:
+        stream = _Tee(sys.stdout, log_file)
+        metrics = runner_cls(cfg, platform, out, stream).run()
+        sk = metrics["superkernel"]
+        stream.write(
+            f"[run] superkernel requested={sk['requested']} ran={sk['ran']} plan={sk['plan']}; results in {out}\n"
+        )
+        stream.flush()
     return 0
 
 
@@ -123,30 +75,24 @@ COMMANDS = {
     "run": (cmd_run, "run a recipe (what infer.sh does)"),
     "compare": ("tools.sk_compare", "baseline vs SuperKernel measurement and report"),
     "search": ("tools.scope_search", "find the fastest accurate SuperKernel plan"),
+    "ge-check": ("tools.ge_check", "convert the decode graph to GE on CPU (torchair), list GE ops per scope"),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
-        print("usage: cann-recipes-infer {run,compare,search} [--help] ...\n\ncommands:")
+        print(f"usage: cann-recipes-infer {{{','.join(COMMANDS)}}} [--help] ...\n\ncommands:")
         for name, (_, help_text) in COMMANDS.items():
             print(f"  {name:8s} {help_text}")
         return 0
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "run"
     target = COMMANDS[command][0]
-    try:
-        if callable(target):
-            return target(argv)
+    if not callable(target):  # a tool: tools/ is a package at the repo root
         if str(REPO_ROOT) not in sys.path:
             sys.path.insert(0, str(REPO_ROOT))
-        return importlib.import_module(target).main(argv)
-    except user_errors() as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        target = importlib.import_module(target).main
+    return run_command(target, argv)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`compile_decode()`: the one place that turns (exe_mode, platform) into a decode step.
+"""`select_backend()`: the one place that turns (exe_mode, platform) into a decode backend.
 
 | exe_mode    | cpu / cuda                         | npu                                   |
 |-------------|------------------------------------|---------------------------------------|
@@ -6,102 +6,50 @@
 | ge_graph    | Inductor; SK = one launch per scope| torchair GE backend; SK = super_kernel|
 | npugraph_ex | error: needs an Ascend NPU         | npugraph_ex backend; SK post-capture  |
 
-Nothing is downgraded silently: an impossible request raises UnsupportedError (exit code 2).
+Every backend implements executor.backends.base.Backend. Nothing is downgraded silently: an
+impossible request raises UnsupportedError (exit code 2).
+
+`resolve_dtype()` is the one place `model_config.dtype: auto` becomes a dtype, and where a dtype
+the platform's op table cannot run is refused, before anything is built or loaded.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-
-from executor import ops
-from executor.config import ModelConfig
+from executor.backends.base import Backend, DecodeSpec, EagerBackend, UnsupportedError
 from executor.platform import Platform
 
-DEFAULT_CACHE = Path.home() / ".cache" / "cann-recipes-infer" / "compile"
+__all__ = ["AUTO_DTYPE", "DecodeSpec", "UnsupportedError", "resolve_dtype", "select_backend"]
+
+# What `dtype: auto` means per platform: the NPU's fused attention takes float16/bfloat16 only and
+# CUDA runs bfloat16 natively; on CPU float32 is both the fastest and the most accurate choice.
+AUTO_DTYPE = {"npu": "bfloat16", "cuda": "bfloat16", "cpu": "float32"}
 
 
-class UnsupportedError(Exception):
-    """Requested but impossible on this platform; one line saying why."""
-
-
-@dataclass
-class DecodeBackend:
-    """What compile_decode returns: the callable step and what compiling it did."""
-
-    step: Callable
-    name: str
-    stats: Callable[[], dict] = field(default=lambda: {})
-
-
-def prepare_platform(platform: Platform, mc: ModelConfig) -> None:
-    """Choose the op table and compile cache once per run, before the model is traced."""
+def resolve_dtype(requested: str, platform: Platform) -> str:
+    """`model_config.dtype` as the run will use it: "auto" resolved for `platform`; a dtype the
+    platform's op table cannot run (float32 on NPU) is an UnsupportedError, never a cast."""
+    dtype = AUTO_DTYPE[platform.kind] if requested == "auto" else requested
     if platform.kind == "npu":
         from executor.backends import npu
 
-        npu.install_ops()
-    else:
-        ops.use("reference")
-    if mc.exe_mode != "eager":
-        cache = Path(mc.cache_dir).expanduser() if mc.cache_dir else DEFAULT_CACHE
-        # A fresh directory when the cache is off, so "cold" really is cold.
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(
-            cache if mc.enable_cache_compile else tempfile.mkdtemp(prefix="sk_compile_")
-        )
+        npu.check_dtype(dtype)
+    return dtype
 
 
-def compile_decode(step: Callable, mc: ModelConfig, platform: Platform) -> DecodeBackend:
-    sk = mc.superkernel.enable
+def select_backend(spec: DecodeSpec, platform: Platform) -> Backend:
+    """The backend this run compiles its decode step with (not compiled yet: see Backend.compile)."""
+    mc = spec.model_config
+    if platform.kind == "npu":
+        from executor.backends import npu  # the only module that imports torch_npu / torchair
+
+        return npu.select_backend(spec)
     if mc.exe_mode == "eager":
-        return DecodeBackend(step, "eager")
-    if platform.kind == "npu":
-        from executor.backends import npu
-
-        if mc.exe_mode == "ge_graph":
-            return npu.compile_ge(step, mc, sk)
-        return npu.compile_npugraph_ex(step, mc, sk)
+        return EagerBackend()
     if mc.exe_mode == "npugraph_ex":
         raise UnsupportedError(
             f"exe_mode npugraph_ex needs an Ascend NPU with torch_npu; this machine is "
             f"{platform.describe()} (use exe_mode ge_graph for the portable graph mode)"
         )
-    from executor.backends.inductor import compile_ge
+    from executor.backends.inductor import InductorBackend
 
-    compiled = compile_ge(step, sk, platform.kind)
-
-    def stats() -> dict:
-        s = compiled.backend.stats
-        return {
-            "compile_s": round(s.compile_s, 3),
-            "graphs": s.graphs,
-            "recompiles": compiled.recompiles,
-            "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
-            "cache_enabled": mc.enable_cache_compile,
-            "scopes": [v.as_dict() for v in s.scopes.values()],
-            "superkernel_ran": any(v.launches > 0 for v in s.scopes.values()),
-        }
-
-    return DecodeBackend(compiled, compiled.name, stats)
-
-
-def timer(platform: Platform) -> Callable[[], float]:
-    """perf_counter that first waits for the device, so step times are real."""
-    sync = lambda: None  # noqa: E731
-    if platform.kind == "cuda":
-        import torch
-
-        sync = torch.cuda.synchronize
-    elif platform.kind == "npu":
-        import torch
-
-        sync = torch.npu.synchronize  # attribute added by torch_npu, present only on NPU hosts
-
-    def now() -> float:
-        sync()
-        return time.perf_counter()
-
-    return now
+    return InductorBackend(spec, platform.kind)

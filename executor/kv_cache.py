@@ -36,5 +36,14 @@ class KVCache:
         self.v[layer].scatter_(2, index, v)
         return self.k[layer], self.v[layer]
 
+    def rows(self, start: int, stop: int) -> KVCache:
+        """A cache over rows [start, stop) that shares this one's storage (views): prefill of a
+        group of rows writes straight into the full cache."""
+        view = KVCache.__new__(KVCache)
+        view.k = [t[start:stop] for t in self.k]
+        view.v = [t[start:stop] for t in self.v]
+        view.max_len = self.max_len
+        return view
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

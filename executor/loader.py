@@ -17,6 +17,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from executor.errors import RecipeError
+
 # fused name -> HF parts, concatenated along dim 0 in this order
 STACKED: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -25,7 +27,7 @@ STACKED: dict[str, tuple[str, ...]] = {
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class LoadError(Exception):
+class LoadError(RecipeError):
     """A checkpoint problem, naming the file or tensor."""
 
 

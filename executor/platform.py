@@ -17,16 +17,21 @@ import re
 import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-DEVICES = ("auto", "cpu", "cuda", "npu")
+from executor.backends.npu_probe import probe as probe_npu
+from executor.config import DEVICES
+from executor.errors import RecipeError
+
 _SOC_LABEL = {"A2": "Atlas A2", "A3": "Atlas A3", "950": "Ascend 950"}
 _BUS_ID = re.compile(r"^[0-9A-Fa-f]{4}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-9A-Fa-f]$")
 
 
-class PlatformError(Exception):
+class PlatformError(RecipeError):
     """A requested device cannot be used here; the message says why in one line."""
 
 
@@ -176,19 +181,12 @@ def _cpu_name() -> str:
     return "cpu"
 
 
-def _try_torch_npu() -> tuple[object | None, str]:
-    """torch_npu is imported only by the NPU adapter; this asks it (lazily) whether one is usable."""
-    from executor.backends.npu import probe
-
-    return probe()
-
-
 def detect(device: str = "auto") -> Platform:
     """Resolve ``device`` to a Platform; an explicit request that cannot be met raises."""
     if device not in DEVICES:
         raise PlatformError(f"unknown device {device!r}; allowed: {', '.join(DEVICES)}")
     if device in ("auto", "npu"):
-        mod, why = _try_torch_npu()
+        mod, why = probe_npu()
         if mod is not None:
             return _npu_platform(mod)
         if device == "npu":
@@ -237,3 +235,18 @@ def software_versions() -> dict[str, str | None]:
         "cann": cann_version(),
         "transformers": _dist_version("transformers"),
     }
+
+
+def timer(platform: Platform) -> Callable[[], float]:
+    """perf_counter that first waits for the device, so step times are real."""
+    sync: Callable[[], None] = lambda: None  # noqa: E731
+    if platform.kind == "cuda":
+        sync = torch.cuda.synchronize
+    elif platform.kind == "npu":
+        sync = torch.npu.synchronize  # attribute added by torch_npu, present only on NPU hosts
+
+    def now() -> float:
+        sync()
+        return time.perf_counter()
+
+    return now

@@ -2,7 +2,17 @@
 cache -> timings, cann-recipes-infer log lines and metrics.json.
 
 A recipe's runner_<name>.py subclasses `ModelRunner` to say how to build its model; all the
-measurement logic lives here once so every recipe is timed the same way.
+measurement logic lives here once so every recipe is timed the same way. Generation is split
+into named steps, as single-file decoders do, so that one piece can be replaced (a compiled
+prefill, a multi-rank step) without touching the others:
+
+    prepare(batch)      size the static KV cache, compile the decode step once
+    prefill(prompts)    right-padded prompts -> first logits (eager, never inside a scope)
+    decode_one(t, pos)  one compiled decode step -> logits
+    generate(...)       the greedy loop over the three above
+
+Everything that traces or runs the model happens inside the run's ExecutionContext (op table,
+scope implementation, compile cache), entered here and restored afterwards.
 """
 
 from __future__ import annotations
@@ -19,15 +29,19 @@ from typing import TextIO
 
 import torch
 
-from executor import logs, ops
-from executor.arch import REPO_ROOT, ModelArch, load_arch
-from executor.compile import compile_decode, prepare_platform, timer
-from executor.config import RunConfig, to_dict
+from executor import logs, memory, numerics, ops, preflight
+from executor.arch import ModelArch
+from executor.backends.base import Backend, CompiledStep, DecodeSpec
+from executor.compile import resolve_dtype, select_backend
+from executor.config import ConfigError, RunConfig, to_dict
+from executor.context import ExecutionContext
+from executor.datasets import load_prompts
 from executor.kv_cache import KVCache
 from executor.loader import init_random, load_weights
-from executor.platform import Platform, software_versions
-from executor.scope import NO_PLAN, PREFILL_SCOPES, ScopePlan, ScopeRunner, build_plan
-from executor.tokenizer import BUILTIN_TOKENIZER, Tokenizer
+from executor.paths import results_dir
+from executor.platform import Platform, software_versions, timer
+from executor.scope import PREFILL_SCOPES, ScopeRunner
+from executor.tokenizer import BUILTIN_TOKENIZER, Tokenizer, TokenizerError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,11 +56,20 @@ class Generation:
     last_logits: torch.Tensor  # (B, V) logits of the last decode step
 
 
+@dataclass
+class Prefill:
+    logits: torch.Tensor  # (B, V) fp32 logits at each row's last prompt token
+    lengths: torch.Tensor  # (B,) prompt lengths: the position of each row's next token
+    ms: float
+
+
 class ModelRunner:
     recipe = "base"
     model_types: tuple[str, ...] = ()
 
-    def build_model(self, arch: ModelArch) -> torch.nn.Module:  # overridden by each recipe
+    def build_model(self, arch: ModelArch) -> torch.nn.Module:
+        """Overridden by each recipe. Must depend on `arch` only: the pre-flight also calls it on
+        an uninitialised runner, under the meta device, for the regions and parameter count."""
         raise NotImplementedError
 
     def remap_weights(self, state: dict) -> dict:
@@ -57,42 +80,65 @@ class ModelRunner:
         self.cfg, self.platform, self.out_dir = cfg, platform, out_dir
         self.stream = stream or sys.stdout
         mc = cfg.model_config
-        self.name, self.dtype = mc.model_name, DTYPES[mc.dtype]
-        self.device = torch.device(platform.kind if platform.kind != "npu" else "npu")
-        self.arch = load_arch(mc.model_path, mc.debug_size)
-        if self.model_types and self.arch.model_type not in self.model_types:
-            raise ValueError(
-                f"{self.arch.source}: model_type {self.arch.model_type!r} does not belong to the "
-                f"{self.recipe} recipe (it runs {', '.join(self.model_types)})"
-            )
+        self.name = mc.model_name
+        self.dtype_name = resolve_dtype(mc.dtype, platform)  # first: float32 on NPU stops before anything is read
+        self.dtype = DTYPES[self.dtype_name]
+        # config.json, recipe match, scope plan, memory estimate, compile cache: before anything is allocated
+        pre = preflight.check(self, cfg, platform, self.dtype)
+        self.model_path, self.arch, self.plan, self.memory = pre.model_path, pre.arch, pre.plan, pre.memory
         torch.manual_seed(mc.seed)
-        prepare_platform(platform, mc)
         self.model = self.build_model(self.arch).to(self.dtype)
+        # The backend is chosen once the plan is known (the compile cache is keyed on it) and
+        # before any weight is read, so an impossible request costs no loading time.
+        self.use_backend(select_backend(self.decode_spec(), platform))
         if mc.with_ckpt:
-            load_weights(self.model, mc.model_path, self.dtype, self.remap_weights)
+            load_weights(self.model, self.model_path, self.dtype, self.remap_weights)
         else:
             init_random(self.model, mc.seed)
+        # Only now: on Ascend "npu" names a device once the backend has imported torch_npu.
+        self.device = torch.device(platform.kind)
         self.model.to(self.device).eval()
         self.tokenizer = Tokenizer.from_file(self._tokenizer_path())
-        sk = mc.superkernel
-        self.plan: ScopePlan = (
-            build_plan(self.model.regions(), sk.plan, sk.options, sk.custom, mc.model_name) if sk.enable else NO_PLAN
-        )
+        preflight.check_vocab(self.arch, self.tokenizer.vocab_size, str(self.tokenizer.path))
         self.decode_scopes = ScopeRunner(self.plan, active=True)
         self.cache: KVCache | None = None
-        self.backend = None
+        self.truncation: list[dict] = []  # per row: prompt tokens given and kept, set by encode_prompts
         self.now = timer(platform)
+
+    @property
+    def max_len(self) -> int:
+        """Static KV-cache slots: the longest prompt kept plus every generated token."""
+        return self.cfg.data_config.input_truncated_len + self.cfg.scheduler_config.max_new_tokens
+
+    def decode_spec(self) -> DecodeSpec:
+        """What the decode step is compiled for: this run's static shapes, dtype, plan and device."""
+        cfg = self.cfg
+        batch = cfg.scheduler_config.batch_size
+        return DecodeSpec(
+            cfg.model_config, self.arch, self.dtype_name, batch, self.max_len, self.plan, self.platform.device_name
+        )
+
+    @classmethod
+    def check_before_run(cls, cfg: RunConfig, platform: Platform) -> preflight.Preflight:
+        """What __init__ checks before allocating, without building anything: the tools ask this
+        for every side before the first run."""
+        runner = cls.__new__(cls)  # build_model uses no state: only a meta-device model is built
+        return preflight.check(runner, cfg, platform, DTYPES[resolve_dtype(cfg.model_config.dtype, platform)])
+
+    def use_backend(self, backend: Backend) -> None:
+        """Run the decode step with `backend` from now on (compiled on next use): the same model
+        and weights under another exe_mode, e.g. for an eager reference in the same process."""
+        self.backend, self.context = backend, ExecutionContext.for_backend(backend)
+        self.step: CompiledStep | None = None  # the compiled decode step, built on first use
 
     def _tokenizer_path(self) -> Path:
         mc = self.cfg.model_config
         if mc.tokenizer_path:
             return Path(mc.tokenizer_path)
-        if mc.model_path and (Path(mc.model_path) / "tokenizer.json").is_file():
-            return Path(mc.model_path) / "tokenizer.json"
-        if mc.model_path and mc.with_ckpt:
-            from executor.tokenizer import TokenizerError
-
-            raise TokenizerError(f"{mc.model_path}: tokenizer.json not found (set model_config.tokenizer_path)")
+        if self.model_path and (Path(self.model_path) / "tokenizer.json").is_file():
+            return Path(self.model_path) / "tokenizer.json"
+        if self.model_path and mc.with_ckpt:
+            raise TokenizerError(f"{self.model_path}: tokenizer.json not found (set model_config.tokenizer_path)")
         return Path(BUILTIN_TOKENIZER)
 
     # ------------------------------------------------------------------ model steps
@@ -100,20 +146,73 @@ class ModelRunner:
         print(line, file=self.stream, flush=True)
 
     def prompts(self) -> list[str]:
-        dc = self.cfg.data_config
-        prompts = list(dc.prompts)
-        if dc.dataset:
-            path = Path(dc.dataset)
-            if not path.is_file():
-                raise FileNotFoundError(f"data_config.dataset: {path} does not exist")
-            prompts = [line for line in path.read_text().splitlines() if line.strip()]
-        b = self.cfg.scheduler_config.batch_size
-        return [prompts[i % len(prompts)] for i in range(b)]
+        return load_prompts(self.cfg.data_config, self.cfg.scheduler_config.batch_size)
 
     def _decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(B, 1) tokens at (B, 1) positions -> (B, V) logits. The function that gets compiled."""
         hidden = self.model(input_ids, positions, self.cache, self.decode_scopes)
         return self.model.logits(hidden[:, -1])
+
+    def prepare(self, batch: int) -> None:
+        """Size the static KV cache for `batch` rows and compile the decode step (once each).
+
+        The cache is sized from config only, so every call has the same shapes (no recompiles).
+        Reusing it is safe: each slot a query can see is rewritten by prefill before it is read."""
+        if self.cache is None or self.cache.k[0].shape[0] != batch:
+            self.cache = KVCache(
+                len(self.model.layers),
+                batch,
+                self.arch.num_kv_heads,
+                self.max_len,
+                self.arch.head_dim,
+                self.dtype,
+                self.device,
+            )
+        if self.step is None:
+            self.step = self.backend.compile(self._decode_step)
+
+    def prefill(self, prompt_ids: list[list[int]]) -> Prefill:
+        """Run the right-padded prompts through the model eagerly, outside any scope; with
+        `max_prefill_tokens`, in consecutive groups of rows of at most that many prompt tokens."""
+        lengths = torch.tensor([len(p) for p in prompt_ids], device=self.device)
+        t0 = self.now()
+        logits = [self._prefill_rows(prompt_ids, a, b) for a, b in self._prefill_groups(prompt_ids)]
+        return Prefill(torch.cat(logits), lengths, (self.now() - t0) * 1e3)
+
+    def _prefill_groups(self, prompt_ids: list[list[int]]) -> list[tuple[int, int]]:
+        """[start, stop) row ranges; one range unless scheduler_config.max_prefill_tokens > 0."""
+        limit = self.cfg.scheduler_config.max_prefill_tokens
+        if limit <= 0:
+            return [(0, len(prompt_ids))]
+        groups, start, used = [], 0, 0
+        for i, p in enumerate(prompt_ids):
+            if len(p) > limit:
+                raise ConfigError(
+                    f"scheduler_config.max_prefill_tokens: prompt {i} has {len(p)} tokens, more than the limit {limit} "
+                    "(raise the limit or lower data_config.input_truncated_len)"
+                )
+            if used + len(p) > limit:
+                groups.append((start, i))
+                start, used = i, 0
+            used += len(p)
+        return [*groups, (start, len(prompt_ids))]
+
+    def _prefill_rows(
+        self, prompt_ids: list[list[int]], start: int, stop: int, scopes: ScopeRunner = PREFILL_SCOPES
+    ) -> torch.Tensor:
+        """Prefill rows [start, stop); `scopes` is replaced only by the NaN locator's region tracker."""
+        rows = prompt_ids[start:stop]
+        lengths = torch.tensor([len(p) for p in rows], device=self.device)
+        ids = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long, device=self.device)  # (b, S) right-padded
+        for i, p in enumerate(rows):
+            ids[i, : len(p)] = torch.tensor(p)
+        positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
+        hidden = self.model(ids, positions, self.cache.rows(start, stop), scopes)
+        return self.model.logits(hidden[torch.arange(len(rows)), lengths - 1])  # (b, V)
+
+    def decode_one(self, token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One compiled decode step: (B, 1) tokens at (B, 1) positions -> (B, V) logits."""
+        return self.step(token, positions)
 
     @torch.no_grad()
     def generate(
@@ -123,60 +222,82 @@ class ModelRunner:
         on_step: Callable[[int, float], None] | None = None,
         on_prefill: Callable[[float], None] | None = None,
     ) -> Generation:
-        b = len(prompt_ids)
-        lengths = torch.tensor([len(p) for p in prompt_ids], device=self.device)
-        s = int(lengths.max())
+        """Greedy decoding: prefill, then `max_new_tokens - 1` timed decode steps."""
         if max_new_tokens > self.cfg.scheduler_config.max_new_tokens:
             raise ValueError(f"max_new_tokens {max_new_tokens} exceeds scheduler_config.max_new_tokens")
-        if self.cache is None or self.cache.k[0].shape[0] != b:
-            # Sized from config only, so every call has the same shapes (no recompiles). Reusing
-            # it is safe: each slot a query can see is rewritten by this call before it is read.
-            max_len = self.cfg.data_config.input_max_len + self.cfg.scheduler_config.max_new_tokens
-            self.cache = KVCache(
-                len(self.model.layers), b, self.arch.num_kv_heads, max_len, self.arch.head_dim, self.dtype, self.device
+        b = len(prompt_ids)
+        with self.context.active():
+            self.prepare(b)
+            pre = self.prefill(prompt_ids)
+            self.check_finite(
+                pre.logits,
+                "prefill",
+                lambda scopes: [
+                    self._prefill_rows(prompt_ids, *rows, scopes) for rows in self._prefill_groups(prompt_ids)
+                ],
             )
-        if self.backend is None:
-            self.backend = compile_decode(self._decode_step, self.cfg.model_config, self.platform)
-        ids = torch.zeros(b, s, dtype=torch.long, device=self.device)  # right-padded
-        for i, p in enumerate(prompt_ids):
-            ids[i, : len(p)] = torch.tensor(p)
-        positions = torch.arange(s, device=self.device).expand(b, s)
-        t0 = self.now()
-        hidden = self.model(ids, positions, self.cache, PREFILL_SCOPES)
-        first_logits = self.model.logits(hidden[torch.arange(b), lengths - 1])
-        prefill_ms = (self.now() - t0) * 1e3
-        if on_prefill:
-            on_prefill(prefill_ms)
-        token = first_logits.argmax(-1, keepdim=True)  # (B, 1)
-        out, step_ms, logits = [token], [], first_logits
-        pos = lengths.view(b, 1).clone()
-        for i in range(max_new_tokens - 1):
-            t0 = self.now()
-            logits = self.backend.step(token, pos)
-            step_ms.append((self.now() - t0) * 1e3)
-            token = logits.argmax(-1, keepdim=True)
-            out.append(token)
-            pos += 1
-            if on_step:
-                on_step(i, step_ms[-1])
+            if on_prefill:
+                on_prefill(pre.ms)
+            token = pre.logits.argmax(-1, keepdim=True)  # (B, 1)
+            out, step_ms, logits = [token], [], pre.logits
+            pos = pre.lengths.view(b, 1).clone()
+            for i in range(max_new_tokens - 1):
+                t0 = self.now()
+                logits = self.decode_one(token, pos)
+                step_ms.append((self.now() - t0) * 1e3)
+                self.check_finite(
+                    logits,
+                    f"decode step {i + 1}",
+                    lambda scopes, token=token, pos=pos: self.model(token, pos, self.cache, scopes),
+                )
+                token = logits.argmax(-1, keepdim=True)
+                out.append(token)
+                pos += 1
+                if on_step:
+                    on_step(i, step_ms[-1])
         tokens = torch.cat(out, dim=1).tolist()
-        return Generation(prompt_ids, tokens, prefill_ms, step_ms, first_logits, logits)
+        return Generation(prompt_ids, tokens, pre.ms, step_ms, pre.logits, logits)
+
+    def check_finite(self, logits: torch.Tensor, step: str, rerun: Callable[[numerics.RegionTracker], object]) -> None:
+        """Stop at the first step whose (B, V) logits hold NaN or inf, naming the step and the
+        region where it first appeared (found by re-running the step eagerly with `rerun`)."""
+        row = numerics.first_bad_row(logits)
+        if row is None:
+            return
+        mc = self.cfg.model_config
+        where = numerics.locate(rerun)
+        weights = f"checkpoint {self.model_path}" if mc.with_ckpt else f"random weights (seed {mc.seed})"
+        raise numerics.NonFiniteError(
+            f"{numerics.kind_of(logits[row])} in the logits at {step}, row {row}: {where}; "
+            f"weights: {weights}, dtype {mc.dtype}"
+        )
 
     def encode_prompts(self) -> list[list[int]]:
-        limit = self.cfg.data_config.input_max_len
-        encoded = [self.tokenizer.encode(p)[-limit:] for p in self.prompts()]
-        if any(not e for e in encoded):
-            raise ValueError("data_config.prompts: a prompt encodes to zero tokens")
-        return encoded
+        """Token ids per row, each cut to its last `input_truncated_len` tokens; a cut is logged
+        and kept in `self.truncation` for metrics.json, never silent."""
+        limit = self.cfg.data_config.input_truncated_len
+        full = [self.tokenizer.encode(p) for p in self.prompts()]
+        if any(not e for e in full):
+            raise ConfigError("data_config.prompts: a prompt encodes to zero tokens")
+        self.truncation = [{"row": i, "given": len(e), "kept": min(len(e), limit)} for i, e in enumerate(full)]
+        for t in self.truncation:
+            if t["given"] > t["kept"]:
+                self.log(
+                    f"[run] prompt {t['row']}: {t['given']} tokens, kept the last {t['kept']} "
+                    "(data_config.input_truncated_len)"
+                )
+        return [e[-limit:] for e in full]
 
     # ------------------------------------------------------------------ the whole run
     def run(self) -> dict:
         sc, mc = self.cfg.scheduler_config, self.cfg.model_config
         prompt_ids = self.encode_prompts()
+        self.log(self.memory.describe())
         self.log(
             f"[run] {mc.model_name}: {self.arch.model_type} from {self.arch.source}, "
-            f"{'checkpoint' if mc.with_ckpt else 'random'} weights, {mc.dtype}, platform {self.platform.describe()}, "
-            f"exe_mode {mc.exe_mode}, superkernel {'plan ' + self.plan.name if mc.superkernel.enable else 'off'}"
+            f"{'checkpoint' if mc.with_ckpt else 'random'} weights, {self.dtype_name}, "
+            f"platform {self.platform.describe()}, "
+            f"exe_mode {mc.exe_mode}, superkernel {'plan ' + self.plan.name if mc.superkernel_enabled else 'off'}"
         )
         # Warm-up on the same shapes: compiles the decode step (idempotent: same tokens, same slots).
         t0 = self.now()
@@ -222,13 +343,14 @@ class ModelRunner:
 
     def _metrics(self, gen: Generation, texts: list[str], tps: float | None, warmup_s: float) -> dict:
         mc = self.cfg.model_config
-        stats = self.backend.stats()
+        report = self.step.report()
         peak = (
             torch.cuda.max_memory_allocated() / 2**20
             if self.platform.kind == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         )
-        ran = bool(stats.get("superkernel_ran")) and mc.superkernel.enable
+        measured, measured_by = memory.measured_peak(self.platform.kind)
+        ran = bool(report.superkernel_ran) and mc.superkernel_enabled
         return {
             "model_name": mc.model_name,
             "recipe": self.recipe,
@@ -241,21 +363,18 @@ class ModelRunner:
             "versions": software_versions(),
             "torch_version": torch.__version__,
             "exe_mode": mc.exe_mode,
-            "backend": self.backend.name,
-            "dtype": mc.dtype,
-            "ops": ops.implementations(),
+            "backend": report.backend,
+            "dtype": self.dtype_name,  # resolved (config may say auto)
+            "ops": ops.implementations(self.context.op_table),
             "superkernel": {
-                "requested": mc.superkernel.enable,
+                "requested": mc.superkernel_enabled,
                 "ran": ran,
                 "plan": self.plan.name,
                 "options": mc.superkernel.options,
-                "scopes": stats.get(
-                    "scopes", [{"label": s.label, "region": s.region, "options": s.options} for s in self.plan.scopes]
-                ),
+                "scopes": report.scopes,
             },
             "regions": [r.name for r in self.model.regions()],
-            "compile": {k: v for k, v in stats.items() if k not in ("scopes", "superkernel_ran")}
-            | {"warmup_s": round(warmup_s, 3)},
+            "compile": report.compile_info() | {"warmup_s": round(warmup_s, 3)},
             "batch_size": len(gen.token_ids),
             "decode_steps": len(gen.decode_ms),
             "prefill_ms": gen.prefill_ms,
@@ -264,7 +383,9 @@ class ModelRunner:
             "decode_ms_average": logs.decode_average_ms(gen.decode_ms) if gen.decode_ms else None,
             "tokens_per_s": tps,
             "peak_memory_mb": round(peak, 1),
+            "memory": self.memory.to_metrics(measured, measured_by),  # estimate (checked before allocating) vs peak
             "prompt_token_ids": gen.prompt_ids,
+            "prompt_truncation": self.truncation,  # tokens given / kept per row (data_config.input_truncated_len)
             "generated_token_ids": gen.token_ids,
             "text": texts,
             "config": to_dict(self.cfg),
@@ -289,6 +410,4 @@ def write_scope_report(out_dir: Path, sk: dict) -> None:
 
 def default_out_dir(cfg: RunConfig, recipe: str) -> Path:
     mc = cfg.model_config
-    now = datetime.datetime.now()
-    case = f"{mc.exe_mode}_{'sk-' + mc.superkernel.plan if mc.superkernel.enable else 'nosk'}_{now:%H%M%S}"
-    return REPO_ROOT / "models" / recipe / "res" / f"{now:%Y-%m-%d}" / case
+    return results_dir(recipe, f"{mc.exe_mode}_{'sk-' + mc.superkernel.plan if mc.superkernel_enabled else 'nosk'}")

@@ -3,7 +3,8 @@
 Model files only *declare* regions (`ctx.scopes.region("layer_3_attn")`); a scope plan chosen in
 config decides which regions become SuperKernel scopes, and only in decode (prefill never runs
 inside a scope, as in cann-recipes-infer). What entering a scope does depends on the backend
-that compiled the decode step, installed once with `set_scope_impl`:
+that compiled the decode step; the run's execution context (executor.context) installs it with
+`scope_impl` for the duration of the run and restores the previous one afterwards:
 
 - "marker" (CPU/CUDA portable backend): side-effecting `sk.scope_enter/scope_exit` ops that
   survive into the FX graph, where the backend splits the graph and compiles each scope as one
@@ -16,11 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
+
+from executor.errors import RecipeError
 
 # --------------------------------------------------------------------------- options grammar
 _BINARY = ("0", "1")
@@ -38,7 +41,7 @@ OPTIONS: dict[str, str] = {
 }
 
 
-class ScopeError(Exception):
+class ScopeError(RecipeError):
     """A scope option/plan problem; one line naming the key and what is allowed."""
 
 
@@ -60,9 +63,9 @@ def parse_options(options: str, key: str = "superkernel.options") -> dict[str, s
         elif name == "strict-scope-check":
             ok = value in ("bypass", "abort")
         elif name.startswith("dcci-"):
-            ok = all(part.strip().isidentifier() for part in value.split(","))
+            ok = all(part.strip().isascii() and part.strip().isidentifier() for part in value.split(","))
         elif name.startswith("debug-"):
-            ok = value.isdigit() and int(value) > 0
+            ok = value.isascii() and value.isdigit() and int(value) > 0  # "²".isdigit() is True
         if not ok:
             raise ScopeError(f"{key}: {name}={value!r} is not allowed; {name} takes {OPTIONS[name]}")
         parsed[name] = value
@@ -112,13 +115,20 @@ class _NoScope:
 
 
 ScopeFactory = Callable[[str, str], AbstractContextManager]
+# What `superkernel_scope(True, ...)` opens. Read while the decode step is traced, so it is
+# process-wide; only `scope_impl` changes it, always restoring the previous one.
 _scope_factory: ScopeFactory = _MarkerScope
 
 
-def set_scope_impl(factory: ScopeFactory | None) -> None:
-    """Install what entering a scope does (backends call this; None restores the markers)."""
+@contextlib.contextmanager
+def scope_impl(factory: ScopeFactory | None) -> Iterator[None]:
+    """Install what entering a scope does (None = the portable marker ops) for a `with` block."""
     global _scope_factory
-    _scope_factory = factory or _MarkerScope
+    previous, _scope_factory = _scope_factory, factory or _MarkerScope
+    try:
+        yield
+    finally:
+        _scope_factory = previous
 
 
 def superkernel_scope(enable: bool, label: str, options: str = "") -> AbstractContextManager:
@@ -201,12 +211,11 @@ def build_plan(
                     )
                 specs += [ScopeSpec(h, entry.label, entry.options or options) for h in hits]
     else:
-        kinds = {"attention": "attention", "mlp": "mlp", "moe": "moe", "layer": "layer", "decoder": "decoder"}
-        if plan not in kinds:
+        if plan not in REGION_KINDS:  # a built-in plan is named after the region kind it wraps
             raise ScopeError(
-                f"superkernel.plan: {plan!r} is not a plan; allowed values: {', '.join(list(kinds) + ['custom'])}"
+                f"superkernel.plan: {plan!r} is not a plan; allowed values: {', '.join([*REGION_KINDS, 'custom'])}"
             )
-        specs = [ScopeSpec(r.name, r.name, options) for r in regions if r.kind == kinds[plan]]
+        specs = [ScopeSpec(r.name, r.name, options) for r in regions if r.kind == plan]
         if not specs:
             present = sorted({r.kind for r in regions} - {"layer", "decoder"})
             usable = ", ".join(["attention", *(k for k in present if k != "attention"), "layer", "decoder", "custom"])
@@ -248,14 +257,3 @@ class ScopeRunner:
 
 
 PREFILL_SCOPES = ScopeRunner(NO_PLAN, active=False)
-
-
-@contextlib.contextmanager
-def scope_impl(factory: ScopeFactory | None):
-    """Temporarily install a scope implementation (tests, NPU adapter)."""
-    previous = _scope_factory
-    set_scope_impl(factory)
-    try:
-        yield
-    finally:
-        set_scope_impl(previous)

@@ -27,6 +27,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from executor.errors import RecipeError
+from executor.paths import CONFIGS_DIR
+
 if TYPE_CHECKING:  # pragma: no cover
     import tokenizers
 
@@ -39,12 +42,10 @@ __all__ = [
     "train_builtin_tokenizer",
 ]
 
-_REPO_ROOT = Path(__file__).resolve().parent.parent
-
 #: The tokenizer.json of the built-in byte-level BPE tokenizer (vocab 512).
-BUILTIN_TOKENIZER = _REPO_ROOT / "configs" / "tokenizer" / "tokenizer.json"
+BUILTIN_TOKENIZER = CONFIGS_DIR / "tokenizer" / "tokenizer.json"
 #: The corpus the built-in tokenizer is trained on.
-BUILTIN_CORPUS = _REPO_ROOT / "configs" / "tokenizer" / "corpus.txt"
+BUILTIN_CORPUS = CONFIGS_DIR / "tokenizer" / "corpus.txt"
 #: The special end-of-text token of the built-in tokenizer.
 ENDOFTEXT = "<|endoftext|>"
 
@@ -55,7 +56,7 @@ TOKENIZER_FILE = "tokenizer.json"
 _EOS_CANDIDATES = ("<|im_end|>", "<|endoftext|>", "</s>", "<|eot_id|>", "<eos>")
 
 
-class TokenizerError(Exception):
+class TokenizerError(RecipeError):
     """A tokenizer could not be found, read or built."""
 
 

@@ -1,9 +1,8 @@
 """Build tiny Qwen-family HuggingFace checkpoints on disk, fully offline.
 
-Test helpers (import them, this is not a conftest)::
+Test helpers (import them, this is not a conftest; pyproject puts the repo root on the path)::
 
-    from checkpoints import make_qwen2_checkpoint          # plain `pytest`
-    from tests.checkpoints import make_qwen2_checkpoint    # `python -m pytest` from the repo root
+    from tests.checkpoints import make_qwen2_checkpoint
 
 Each ``make_*_checkpoint(path, **overrides)`` writes, with transformers'
 ``save_pretrained``::
@@ -39,17 +38,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-_REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(_REPO_ROOT) not in sys.path:  # so `executor` imports under any pytest import mode
-    sys.path.insert(0, str(_REPO_ROOT))
-
-from executor.tokenizer import BUILTIN_TOKENIZER, ENDOFTEXT  # noqa: E402
+from executor.tokenizer import BUILTIN_TOKENIZER, ENDOFTEXT
 
 #: id of <|endoftext|> in the built-in tokenizer (last id of the 512 vocab).
 EOS_TOKEN_ID = 511

@@ -7,21 +7,13 @@ directories as read-only (copy them to tmp_path before corrupting anything).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-try:  # `python -m pytest` from the repo root
-    import tests.checkpoints as ckpt
-except ImportError:  # plain `pytest`, or --import-mode=importlib
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import checkpoints as ckpt
-try:
-    import tests.tool_fixtures as tools
-except ImportError:
-    import tool_fixtures as tools
+import tests.checkpoints as ckpt
+import tests.tool_fixtures as tools
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,7 +45,7 @@ def make_qwen_runner() -> Callable:
     """Factory: `make_qwen_runner(model_path, "key=value", ..., with_ckpt=True)` -> QwenRunner on CPU.
 
     Goes through executor.config.load_config like the CLI does, so every override is
-    type-checked; input_max_len is kept small so the static KV cache (and compile) stays tiny.
+    type-checked; input_truncated_len is kept small so the static KV cache (and compile) stays tiny.
     """
     from executor.config import load_config
     from executor.platform import detect
@@ -66,7 +58,7 @@ def make_qwen_runner() -> Callable:
                 f"model_config.model_path={model_path}",
                 f"model_config.with_ckpt={'true' if with_ckpt else 'false'}",
                 f"scheduler_config.max_new_tokens={max_new_tokens}",
-                "data_config.input_max_len=24",
+                "data_config.input_truncated_len=24",
                 *overrides,
             ],
         )

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from executor.cli import main as cli_main
 from executor.config import ConfigError, CustomScope, RunConfig, load_config, to_dict
 from executor.scope import (
     ScopeError,
@@ -42,7 +43,14 @@ def run_cli(*args: str, cwd: Path = REPO, bash: str | None = None, timeout: int 
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
+class CompletedRun:
+    """An in-process run shaped like subprocess.CompletedProcess (returncode, stdout, stderr)."""
+
+    def __init__(self, returncode: int, captured):
+        self.returncode, self.stdout, self.stderr = returncode, captured.out, captured.err
+
+
+def assert_user_error(proc: subprocess.CompletedProcess | CompletedRun, *needles: str) -> str:
     """Exit 2, exactly one stderr line `error: ...` containing every needle, no traceback."""
     lines = proc.stderr.splitlines()
     assert proc.returncode == 2, f"rc {proc.returncode}\nstdout:{proc.stdout[-2000:]}\nstderr:{proc.stderr[-3000:]}"
@@ -54,7 +62,7 @@ def assert_user_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
 
 
 # ----------------------------------------------------------------------------- CLI error paths
-SK_ON = ["--set", "model_config.exe_mode=ge_graph", "--set", "model_config.superkernel.enable=true"]
+SK_ON = ["--set", "model_config.exe_mode=ge_graph", "--set", "model_config.enable_superkernel=true"]
 ERROR_CASES = {
     "unknown_key": (
         ["--set", "model_config.enable_superkernal=true"],
@@ -67,8 +75,47 @@ ERROR_CASES = {
         ["model_config.exe_mode", "'turbo'", "eager, ge_graph, npugraph_ex"],
     ),
     "eager_with_superkernel": (
-        ["--set", "model_config.superkernel.enable=true"],
-        ["model_config.superkernel.enable", "eager"],
+        ["--set", "model_config.exe_mode=eager", "--set", "model_config.enable_superkernel=true"],
+        ["model_config.enable_superkernel", "eager"],
+    ),
+    "eager_with_superkernel_in_custom_params": (
+        ["--config", str(REPO / "models/qwen/config/qwen3_8b_1tp.yaml"), "--set", "model_config.exe_mode=eager"],
+        ["model_config.enable_superkernel", "eager"],
+    ),
+    "switch_in_two_places_disagrees": (
+        ["--set", "model_config.custom_params.enable_superkernel=false"],
+        ["model_config.enable_superkernel", "model_config.custom_params.enable_superkernel", "one place"],
+    ),
+    "static_kernel_outside_npugraph_ex": (
+        ["--set", "model_config.enable_static_kernel=true"],
+        ["model_config.enable_static_kernel", "npugraph_ex", "ge_graph"],
+    ),
+    "max_prefill_tokens_below_a_prompt": (
+        ["--set", "scheduler_config.max_prefill_tokens=2"],
+        ["scheduler_config.max_prefill_tokens", "prompt 0", "limit 2"],
+    ),
+    "yaml_not_in_recipe": (
+        ["--yaml", "qwen3_9b_1tp.yaml"],
+        ["--yaml qwen3_9b_1tp.yaml", "builtin.yaml", "qwen3_8b_1tp.yaml"],
+    ),
+    "yaml_and_config": (["--yaml", "builtin.yaml", "--config", "x.yaml"], ["--config", "--yaml", "one of them"]),
+    "empty_model_name": (["--set", "model_config.model_name="], ["model_config.model_name", "empty"]),
+    "sk_option_not_ascii_digits": (
+        ["--set", "model_config.superkernel.options=debug-aic-num=\u00b2"],
+        ["model_config.superkernel.options", "debug-aic-num", "positive integer"],
+    ),
+    "custom_scope_without_label": (
+        ["--set", "model_config.superkernel.plan=custom", "--set", "model_config.superkernel.custom=[{regions: [x]}]"],
+        ["model_config.superkernel.custom[0]", "label", "missing"],
+    ),
+    "custom_scope_empty_label": (
+        [
+            "--set",
+            "model_config.superkernel.plan=custom",
+            "--set",
+            'model_config.superkernel.custom=[{regions: [x], label: ""}]',
+        ],
+        ["model_config.superkernel.custom[0].label", "non-empty"],
     ),
     "world_size_2": (["--set", "parallel_config.world_size=2"], ["parallel_config.world_size", "allowed values: 1"]),
     "sk_unknown_option": (
@@ -97,6 +144,10 @@ ERROR_CASES = {
     ),
     "with_ckpt_no_path": (["--set", "model_config.with_ckpt=true"], ["model_config.model_path", "with_ckpt"]),
     "npugraph_ex_on_cpu": (["--set", "model_config.exe_mode=npugraph_ex"], ["npugraph_ex", "NPU", "ge_graph"]),
+    "static_kernel_without_npugraph_ex": (
+        ["--set", "model_config.exe_mode=ge_graph", "--set", "model_config.enable_static_kernel=true"],
+        ["model_config.enable_static_kernel", "npugraph_ex"],
+    ),
     "device_npu_on_cpu": (["--set", "model_config.device=npu"], ["device='npu'"]),
     "set_without_equals": (
         ["--set", "scheduler_config.max_new_tokens"],
@@ -104,15 +155,37 @@ ERROR_CASES = {
     ),
     "unknown_model": (["--model", "llama"], ["--model", "'llama'", "allowed values", "qwen"]),
     "bad_dataset": (["--set", "data_config.dataset=/nonexistent/prompts.txt"], ["/nonexistent/prompts.txt"]),
+    "dataset_is_a_directory": (["--set", f"data_config.dataset={REPO}"], ["data_config.dataset", "is a directory"]),
+    "longbench_absent": (
+        ["--set", "data_config.dataset=LongBench", "--set", "data_config.dataset_path=/nonexistent/lb"],
+        ["LongBench", "local copy", "/nonexistent/lb", "data_config.dataset_path"],
+    ),
+    # upstream keys this project does not implement: accepted at their default only
+    **{
+        f"upstream_{key.rsplit('.', 1)[-1]}": (["--set", f"{key}={value}"], [key, "not supported here"])
+        for key, value in (
+            ("model_config.force_eplb", "true"),
+            ("model_config.next_n", "1"),
+            ("model_config.enable_hadamard", "true"),
+            ("model_config.custom_params.enable_multi_streams", "true"),
+            ("scheduler_config.mem_fraction_static", "0.9"),
+            ("scheduler_config.block_size", "64"),
+            ("parallel_config.cp_size", "2"),
+            ("parallel_config.o_proj_tp_size", "2"),
+        )
+    },
 }
 
 
 @pytest.mark.parametrize("case", list(ERROR_CASES))
-def test_cli_user_errors(case, tmp_path):
+def test_cli_user_errors(case, tmp_path, capsys):
+    """In process, through executor.cli.main (what infer.sh runs), to keep the table fast; the
+    classes are also run through bash infer.sh below."""
     args, needles = ERROR_CASES[case]
-    proc = run_cli(*args, *TINY, "--out", str(tmp_path / "out"))
-    assert_user_error(proc, *needles)
-    assert not (tmp_path / "out" / "metrics.json").exists()
+    out = tmp_path / "out"
+    rc = cli_main(["run", *args, *TINY, "--out", str(out)])
+    assert_user_error(CompletedRun(rc, capsys.readouterr()), *needles)
+    assert not (out / "metrics.json").exists()
 
 
 def test_malformed_yaml(tmp_path):
@@ -122,14 +195,12 @@ def test_malformed_yaml(tmp_path):
 
 
 def test_yaml_file_unknown_nested_key_through_infer_sh(tmp_path):
-    cfg = yaml.safe_load((REPO / "models/qwen/config.yaml").read_text())
+    cfg = yaml.safe_load((REPO / "models/qwen/config/builtin.yaml").read_text())
     cfg["model_config"]["superkernel"]["enable_superkernal"] = True
     path = tmp_path / "typo.yaml"
     path.write_text(yaml.safe_dump(cfg))
     proc = run_cli("--config", str(path), "--out", str(tmp_path / "o"), bash="infer.sh")
-    assert_user_error(
-        proc, "model_config.superkernel.enable_superkernal", "allowed keys: enable, plan, options, custom"
-    )
+    assert_user_error(proc, "model_config.superkernel.enable_superkernal", "allowed keys: plan, options, custom")
 
 
 def test_missing_config_file(tmp_path):
@@ -143,11 +214,13 @@ def test_infer_sh_help():
     assert "--set" in proc.stdout and "KEY=VALUE" in proc.stdout and "--out" in proc.stdout
 
 
+EAGER = ["--set", "model_config.exe_mode=eager", "--set", "model_config.enable_superkernel=false"]
+EAGER += ["--set", "model_config.enable_cache_compile=false"]
+
+
 def test_recipe_infer_sh_from_its_directory(tmp_path):
     out = tmp_path / "out"
-    proc = run_cli(
-        "--set", "scheduler_config.max_new_tokens=4", "--out", str(out), cwd=REPO / "models/qwen", bash="infer.sh"
-    )
+    proc = run_cli(*EAGER, *TINY, "--out", str(out), cwd=REPO / "models/qwen", bash="infer.sh")
     assert proc.returncode == 0, proc.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["recipe"] == "qwen" and len(metrics["generated_token_ids"][0]) == 4
@@ -161,8 +234,10 @@ PREFILL_RE = re.compile(r"^qwen inference time cost of prefill is \d+\.\d+ ms$")
 
 
 def test_default_infer_sh_log_format_and_metrics(tmp_path):
+    """The README's first command, as shipped (ge_graph + SuperKernel), with its cache kept apart."""
     out = tmp_path / "out"
-    proc = run_cli("--out", str(out), "--set", "scheduler_config.max_new_tokens=4", bash="infer.sh")
+    cache = ["--set", f"model_config.cache_dir={tmp_path / 'cache'}"]
+    proc = run_cli("--out", str(out), *TINY, *cache, bash="infer.sh", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     decode = [float(line.split()[-2]) for line in lines if DECODE_RE.match(line)]
@@ -187,19 +262,20 @@ def test_default_infer_sh_log_format_and_metrics(tmp_path):
     ):
         assert key in m, key
     assert set(m["superkernel"]) >= {"requested", "ran", "plan", "scopes"}
-    assert m["superkernel"] | {"options": ""} == {
-        "requested": False,
-        "ran": False,
-        "plan": "none",
-        "scopes": [],
-        "options": "",
-    }
-    assert (m["platform"], m["exe_mode"]) == ("cpu", "eager") and m["torch_version"].startswith("2.")
+    sk = m["superkernel"]
+    assert (sk["requested"], sk["ran"], sk["plan"]) == (True, True, "decoder")
+    assert [s["label"] for s in sk["scopes"]] == ["decode_layers"] and sk["scopes"][0][
+        "launches"
+    ] == 4  # warm-up step + 3 measured
+    assert (m["platform"], m["exe_mode"]) == ("cpu", "ge_graph") and m["torch_version"].startswith("2.")
+    assert m["compile"]["cache_enabled"] is True
     assert isinstance(m["decode_ms"], list) and len(m["decode_ms"]) == 3
     assert [round(v, 2) for v in m["decode_ms"]] == decode  # the printed lines are the measured steps
     assert m["decode_ms_median"] == statistics.median(m["decode_ms"])
     assert m["tokens_per_s"] == pytest.approx(3 / (sum(m["decode_ms"]) / 1e3))
     assert m["prefill_ms"] > 0 and m["peak_memory_mb"] > 0
+    mem = m["memory"]  # the estimate made before allocating, within a sane factor of the measured peak
+    assert mem["checked"] and 0.5 <= mem["estimate_mb"]["peak"] / mem["measured_peak_mb"] <= 2.0, mem
     assert len(m["generated_token_ids"]) == 1 and len(m["generated_token_ids"][0]) == 4
     assert isinstance(m["text"], list) and isinstance(m["text"][0], str)
     assert (out / "infer.log").read_text().splitlines()[: len(lines)] == lines
@@ -208,8 +284,13 @@ def test_default_infer_sh_log_format_and_metrics(tmp_path):
 # ----------------------------------------------------------------------------- executor.config
 def test_load_config_defaults_and_recipe_file():
     assert load_config(None) == RunConfig()
-    cfg = load_config(REPO / "models/qwen/config.yaml")
-    assert cfg.model_config.superkernel.plan == "attention" and cfg.data_config.input_max_len == 64
+    cfg = load_config(REPO / "models/qwen/config/builtin.yaml")
+    assert (cfg.model_config.exe_mode, cfg.superkernel_on, cfg.model_config.superkernel.plan) == (
+        "ge_graph",
+        True,
+        "decoder",
+    )
+    assert cfg.model_config.enable_cache_compile and cfg.data_config.input_truncated_len == 64
     assert cfg.data_config.prompts == ("The weather today is",)
 
 
@@ -220,7 +301,7 @@ def test_overrides_are_type_checked():
             "scheduler_config.max_new_tokens=8",
             "model_config.exe_mode=ge_graph",
             "data_config.prompts=[a b, c]",
-            "model_config.superkernel.enable=true",
+            "model_config.enable_superkernel=true",
         ],
     )
     assert cfg.scheduler_config.max_new_tokens == 8 and cfg.model_config.exe_mode == "ge_graph"
@@ -231,7 +312,7 @@ def test_overrides_are_type_checked():
         ("model_config.with_ckpt=1", "expected true or false"),
         ("data_config.prompts=hello", "expected a list of str"),
         ("model_config=3", "model_config: expected a mapping"),
-        ("model_config.dtype=fp8", "allowed values: float32, bfloat16, float16"),
+        ("model_config.dtype=fp8", "allowed values: auto, float32, bfloat16, float16"),
         ("scheduler_config.batch_size=0", "must be >= 1"),
         ("nope.x=1", "nope: unknown key; allowed keys: model_config, data_config"),
     ):
@@ -246,7 +327,7 @@ def test_custom_scopes_parse_into_custom_scope():
         None,
         [
             "model_config.exe_mode=ge_graph",
-            "model_config.superkernel.enable=true",
+            "model_config.enable_superkernel=true",
             "model_config.superkernel.plan=custom",
             'model_config.superkernel.custom=[{regions: ["layer_*_attn"], label: attn}, '
             '{regions: [layer_1_mlp, layer_2_mlp], label: m, options: "feed-sync-all=1"}]',

@@ -9,6 +9,7 @@ test reads the same run.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import subprocess
@@ -20,7 +21,7 @@ import pytest
 import torch
 import torch._dynamo
 
-from executor.backends.inductor import ScopeCheckError, compile_ge
+from executor.backends.inductor import ScopeCheckError, compile_inductor
 from executor.scope import PREFILL_SCOPES, scope_impl, superkernel_scope
 
 REPO = Path(__file__).resolve().parent.parent
@@ -35,23 +36,23 @@ GRAPH = ["model_config.exe_mode=ge_graph"]
 CONFIGS = {  # name -> (overrides, expected scope labels)
     "ge_graph": (GRAPH, set()),
     "sk_attention": (
-        GRAPH + ["model_config.superkernel.enable=true", "model_config.superkernel.plan=attention"],
+        GRAPH + ["model_config.enable_superkernel=true", "model_config.superkernel.plan=attention"],
         {"layer_0_attn", "layer_1_attn"},
     ),
     "sk_mlp": (
-        GRAPH + ["model_config.superkernel.enable=true", "model_config.superkernel.plan=mlp"],
+        GRAPH + ["model_config.enable_superkernel=true", "model_config.superkernel.plan=mlp"],
         {"layer_0_mlp", "layer_1_mlp"},
     ),
     "sk_layer": (
-        GRAPH + ["model_config.superkernel.enable=true", "model_config.superkernel.plan=layer"],
+        GRAPH + ["model_config.enable_superkernel=true", "model_config.superkernel.plan=layer"],
         {"layer_0", "layer_1"},
     ),
     "sk_decoder": (
-        GRAPH + ["model_config.superkernel.enable=true", "model_config.superkernel.plan=decoder"],
+        GRAPH + ["model_config.enable_superkernel=true", "model_config.superkernel.plan=decoder"],
         {"decode_layers"},
     ),
     "sk_custom": (
-        GRAPH + ["model_config.superkernel.enable=true", "model_config.superkernel.plan=custom", CUSTOM],
+        GRAPH + ["model_config.enable_superkernel=true", "model_config.superkernel.plan=custom", CUSTOM],
         {"attn_all", "mlp_last"},
     ),
 }
@@ -92,7 +93,7 @@ def _run(make_qwen_runner, ckpt_path: Path, overrides: list[str]) -> dict:
         "runner": runner,
         "metrics": metrics,
         "gen": gen,
-        "stats": runner.backend.stats(),
+        "stats": dataclasses.asdict(runner.step.report()),
         "prefill_scopes": prefill_scopes,
         "prompt_ids": prompt_ids,
     }
@@ -134,7 +135,7 @@ def test_compiled_exactly_once(graph):
     for where in (graph["metrics"]["compile"], graph["stats"]):  # after run() and after 3 generate calls
         assert where["graphs"] == 1 and where["recompiles"] == 0, where
     assert graph["metrics"]["compile"]["compile_s"] > 0
-    assert graph["runner"].backend.step.calls == DECODE_CALLS
+    assert graph["runner"].step.calls == DECODE_CALLS
     assert graph["metrics"]["exe_mode"] == "ge_graph"
 
 
@@ -201,9 +202,9 @@ X = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
 
 
 def run_toy(fn, calls: int = 2):
-    step = compile_ge(fn, True, "cpu")
+    step = compile_inductor(lambda x, _positions: fn(x), True, "cpu")  # the (ids, positions) step contract
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
-        outs = [step(X) for _ in range(calls)]
+        outs = [step(X, None) for _ in range(calls)]
     return step, outs
 
 
@@ -217,7 +218,7 @@ def assert_same(outs, fn):
 def test_toy_scope_without_blocker_fuses():
     step, outs = run_toy(toy_clean)
     assert_same(outs, toy_clean)
-    s = step.backend.stats.scopes["s"]
+    s = step.compiler.stats.scopes["s"]
     assert (s.segments, s.cut_reasons, s.unfused, s.launches) == (1, [], False, 2)
 
 
@@ -231,7 +232,7 @@ def test_toy_bypass_warns_and_runs_unfused():
     with pytest.warns(UserWarning, match="scope 's' runs unfused: op nonzero"):
         step, outs = run_toy(toy_bypass)
     assert_same(outs, toy_bypass)
-    s = step.backend.stats.scopes["s"]
+    s = step.compiler.stats.scopes["s"]
     assert s.unfused and s.launches == 0
 
 
@@ -240,7 +241,7 @@ def test_toy_default_cuts_the_scope():
         warnings.simplefilter("ignore")
         step, outs = run_toy(toy_cut)
     assert_same(outs, toy_cut)
-    s = step.backend.stats.scopes["s"]
+    s = step.compiler.stats.scopes["s"]
     assert s.cut_reasons and "nonzero" in s.cut_reasons[0]
     assert s.segments >= 2 and s.launches == 2 * s.segments and not s.unfused  # 2 calls
 
@@ -270,7 +271,7 @@ def test_enable_cache_compile_second_run_compiles_faster(tmp_path, qwen3_ckpt):
                 "--set",
                 "scheduler_config.max_new_tokens=4",
                 "--set",
-                "data_config.input_max_len=16",
+                "data_config.input_truncated_len=16",
                 "--out",
                 str(out),
             ],
@@ -284,7 +285,8 @@ def test_enable_cache_compile_second_run_compiles_faster(tmp_path, qwen3_ckpt):
         if i == 0:
             assert any(cache.rglob("*")), "the first run left nothing in cache_dir"
     first, second = (r["compile"] for r in runs)
-    assert first["cache_dir"] == second["cache_dir"] == str(cache) and second["cache_enabled"] is True
+    assert first["cache_dir"] == second["cache_dir"] and second["cache_enabled"] is True  # same key, same dir
+    assert Path(first["cache_dir"]).parent == cache and first["cache_key"] == second["cache_key"]
     assert first["graphs"] == second["graphs"] == 1 and first["recompiles"] == second["recompiles"] == 0
     assert runs[0]["generated_token_ids"] == runs[1]["generated_token_ids"]
     assert second["compile_s"] < 0.7 * first["compile_s"], (first["compile_s"], second["compile_s"])

@@ -8,7 +8,7 @@ and without a SuperKernel scope around it.
 import pytest
 import torch
 
-from executor.backends.inductor import INDUCTOR_DECOMPOSE_MAX_DIM, _gemv_to_reduction, compile_ge
+from executor.backends.inductor import INDUCTOR_DECOMPOSE_MAX_DIM, _gemv_to_reduction, compile_inductor
 from executor.scope import superkernel_scope
 
 
@@ -37,16 +37,16 @@ def test_large_gemv_compiles_to_the_same_result(superkernel):
     torch.manual_seed(0)
     lin = torch.nn.Linear(256, 3 * INDUCTOR_DECOMPOSE_MAX_DIM)
 
-    def step(x):
+    def step(x, _positions):
         with superkernel_scope(superkernel, "big", ""):
             return torch.relu(lin(x)).sum(-1)
 
     x = torch.randn(1, 1, 256)
     with torch.no_grad():
-        compiled = compile_ge(step, superkernel, "cpu")
-        got = compiled(x)
-        want = step(x)
+        compiled = compile_inductor(step, superkernel, "cpu")
+        got = compiled(x, None)
+        want = step(x, None)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
     if superkernel:
-        scope = compiled.backend.stats.scopes["big"]
+        scope = compiled.compiler.stats.scopes["big"]
         assert scope.segments == 1 and scope.launches == 1

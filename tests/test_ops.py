@@ -147,6 +147,6 @@ def test_moe_pipeline_equals_per_token_loop():
 def test_ops_interface_rejects_unknown_names():
     with pytest.raises(ValueError, match="unknown ops"):
         ops.register("bad", {"softmax": reference.swiglu})
-    with pytest.raises(ValueError, match="not registered"):
-        ops.use("nope")
+    with pytest.raises(ValueError, match="not registered"), ops.using("nope"):
+        pass
     assert ops.active() == "reference"

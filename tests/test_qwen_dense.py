@@ -16,10 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-try:  # `python -m pytest` from the repo root
-    import tests.checkpoints as ckpt
-except ImportError:  # plain `pytest`
-    import checkpoints as ckpt
+import tests.checkpoints as ckpt
 from executor.arch import ArchError
 from executor.kv_cache import KVCache
 from executor.loader import LoadError

@@ -4,9 +4,11 @@ real search relies on: the accuracy rule, the search-space checks and the safe c
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -15,13 +17,9 @@ import yaml
 
 from executor.cli import main as cli_main
 from executor.runner import Generation
+from tests.tool_fixtures import recipe_config
 from tools.config_edit import apply_changes
 from tools.measure import check_accuracy
-
-try:  # `python -m pytest` from the repo root
-    from tests.tool_fixtures import recipe_config
-except ImportError:  # plain `pytest`
-    from tool_fixtures import recipe_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,40 +40,60 @@ custom:
 """
 
 
-@pytest.fixture(autouse=True)
-def _inductor_env(monkeypatch):
-    """The in-process accuracy runs point Inductor's cache at the config's; undo that afterwards."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""))
-
-
 def search(capsys, *argv: str) -> tuple[int, str, str]:
     rc = cli_main(["search", *argv])
     cap = capsys.readouterr()
     return rc, cap.out, cap.err
 
 
-def test_dense_search_budget_resume_apply(tmp_path, shared_dir, capsys):
-    config = recipe_config(tmp_path / "recipe.yaml", shared_dir / "tiny_dense", shared_dir / "compile_cache")
-    space = tmp_path / "space.yaml"
-    space.write_text(DENSE_SPACE)
-    out = tmp_path / "search"
-    common = ["--config", str(config), "--search-space", str(space), "--runs", "1", "--warmup", "0", "--out", str(out)]
+def search_captured(*argv: str) -> tuple[int, str, str]:
+    """`search` for module-scoped fixtures, where capsys is not available."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli_main(["search", *argv])
+    return rc, out.getvalue(), err.getvalue()
 
-    # 1. no budget: nothing measured, everything pending, exit 1 saying how to resume
-    rc, stdout, err = search(capsys, *common, "--max-minutes", "0")
-    assert rc == 1 and "unfinished" in stdout and f"--out {out}" in stdout
-    status = json.loads((out / "search_status.json").read_text())
+
+@pytest.fixture(scope="module")
+def dense_search(tmp_path_factory, shared_dir) -> SimpleNamespace:
+    """One search on the 1-layer dense model in two phases: a zero budget (nothing measured),
+    then the same --out resumed to the end with --apply. Each phase's outcome is kept for the
+    tests below; searching once keeps the module fast."""
+    tmp = tmp_path_factory.mktemp("dense_search")
+    config = recipe_config(tmp / "recipe.yaml", shared_dir / "tiny_dense", shared_dir / "compile_cache")
+    space = tmp / "space.yaml"
+    space.write_text(DENSE_SPACE)
+    out = tmp / "search"
+    common = ["--config", str(config), "--search-space", str(space), "--runs", "1", "--warmup", "0", "--out", str(out)]
+    budget = search_captured(*common, "--max-minutes", "0")
+    budget_status = json.loads((out / "search_status.json").read_text())
+    before = config.read_text()
+    applied = search_captured(*common, "--apply")
+    return SimpleNamespace(
+        tmp=tmp, config=config, out=out, common=common, before=before, budget=budget,
+        budget_status=budget_status, applied=applied,
+    )  # fmt: skip
+
+
+def test_dense_search_with_no_budget_measures_nothing_and_says_how_to_resume(dense_search):
+    rc, stdout, _ = dense_search.budget
+    assert rc == 1 and "unfinished" in stdout and f"--out {dense_search.out}" in stdout
+    status = dense_search.budget_status
     assert status["state"] == "budget"
     assert list(status["candidates"]) == ["baseline", "attention", "mlp", "decoder", "attn_ffn_split", "nested"]
     assert {c["status"] for c in status["candidates"].values()} == {"pending"}
     assert [s["name"] for s in status["skipped"]] == ["moe", "other_model"]
 
-    # 2. same --out: resumes and finishes; --apply writes the winner into the config
-    before = config.read_text()
-    rc, stdout, err = search(capsys, *common, "--apply")
-    assert rc == 0, stdout + err
-    assert "resuming" in err and "0 of 6 candidate(s) already finished" in err
+
+def test_dense_search_resumes_ranks_and_applies_the_winner(dense_search):
+    out, config, before = dense_search.out, dense_search.config, dense_search.before
+    rc, stdout, err = dense_search.applied
     status = json.loads((out / "search_status.json").read_text())
+    # --apply refuses a winner slower than the baseline beyond noise (on a loaded machine the
+    # 1-layer model's SuperKernel plans can be); tests/test_reliability.py pins both outcomes.
+    refused = status["apply_refused"]
+    assert rc == (1 if refused else 0), stdout + err
+    assert "resuming" in err and "0 of 6 candidate(s) already finished" in err
     recs = status["candidates"]
     assert status["state"] == "complete"
     assert recs["nested"]["status"] == "failed" and "nested" in recs["nested"]["reason"]
@@ -98,13 +116,8 @@ def test_dense_search_budget_resume_apply(tmp_path, shared_dir, capsys):
         assert recs[n]["speedup_vs_baseline"] == pytest.approx(ms["baseline"] / ms[n])
         assert recs[n]["winner_speedup_over"] == pytest.approx(ms[n] / ms[winner])
     table = pd.read_csv(out / "scope_search.csv")
-    assert list(table["candidate"][:5]) == sorted(measured, key=ms.get) and table["rank"][:5].tolist() == [
-        1,
-        2,
-        3,
-        4,
-        5,
-    ]
+    assert list(table["candidate"][:5]) == sorted(measured, key=ms.get)
+    assert table["rank"][:5].tolist() == [1, 2, 3, 4, 5]
     assert table["status"].tolist()[-1] == "failed"
     report = (out / "scope_search_report.md").read_text()
     assert "portable measurement on CPU, not an Ascend result" in report.splitlines()[2]
@@ -112,25 +125,39 @@ def test_dense_search_budget_resume_apply(tmp_path, shared_dir, capsys):
     assert (out / "scope_search.png").read_bytes()[:4] == b"\x89PNG"
     results = json.loads((out / "scope_search_results.json").read_text())
     assert results["winner"] == winner and len(results["ranking"]) == 6
+    if refused:
+        assert config.read_text() == before and not list(dense_search.tmp.glob("recipe.yaml.bak-*"))
+        assert [ln for ln in err.splitlines() if "--apply refused" in ln] == [
+            f"scope_search: --apply refused, {config} left unchanged: {refused}"
+        ]
+        ms_winner, ms_base = recs[winner]["summary"]["step_ms"], recs["baseline"]["summary"]["step_ms"]
+        assert ms_winner > ms_base and recs[winner]["exceeds_noise_vs_baseline"]
+        return
     # --apply: only the SuperKernel keys changed, comments kept, backup holds the old bytes
     after = config.read_text()
-    backups = list(tmp_path.glob("recipe.yaml.bak-*"))
+    backups = list(dense_search.tmp.glob("recipe.yaml.bak-*"))
     assert len(backups) == 1 and backups[0].read_text() == before
-    sk = yaml.safe_load(after)["model_config"]["superkernel"]
-    assert sk["enable"] is True
-    assert sk["plan"] == recs[winner]["superkernel"]["plan"]
+    mc = yaml.safe_load(after)["model_config"]
+    assert mc["enable_superkernel"] is True
+    assert mc["superkernel"]["plan"] == recs[winner]["superkernel"]["plan"]
     assert "# the configured plan" in after and "# one cache for the whole test session" in after
-    assert "--- " in stdout and "+    enable: true" in stdout
+    assert "--- " in stdout and "+  enable_superkernel: true" in stdout
     a, b = yaml.safe_load(after), yaml.safe_load(before)
-    a["model_config"].pop("superkernel"), b["model_config"].pop("superkernel")
+    for side in (a, b):
+        side["model_config"].pop("superkernel"), side["model_config"].pop("enable_superkernel")
     assert a == b
 
-    # 3. a restart redoes only what is not finished: here the winner's record is reset
-    status["candidates"][winner]["status"] = "pending"
+
+def test_dense_search_restart_redoes_only_what_is_unfinished(dense_search):
+    out, config = dense_search.out, dense_search.config
+    status = json.loads((out / "search_status.json").read_text())
+    winner = status["winner"]
+    measured = [n for n in status["candidates"] if n != "nested"]
+    status["candidates"][winner]["status"] = "pending"  # as if the job died while measuring it
     (out / "search_status.json").write_text(json.dumps(status))
-    config.write_text(before)  # the search is tied to the config it started with
+    config.write_text(dense_search.before)  # the search is tied to the config it started with
     kept = {n: (out / "logs" / f"{n}.1.log").stat().st_mtime_ns for n in measured if n != winner}
-    rc, stdout, err = search(capsys, *common)
+    rc, stdout, err = search_captured(*dense_search.common)
     assert rc == 0, stdout + err
     assert "5 of 6 candidate(s) already finished" in err
     assert f"{winner} run 1/1" in err and all(f"{n} run 1/1" not in err for n in kept)
@@ -138,27 +165,12 @@ def test_dense_search_budget_resume_apply(tmp_path, shared_dir, capsys):
 
 
 def test_moe_search(tmp_path, shared_dir, capsys):
-    if not (REPO / "models" / "qwen3_moe" / "config.yaml").is_file():
-        pytest.skip("models/qwen3_moe recipe is absent: the MoE search needs it")
     config = recipe_config(tmp_path / "moe.yaml", shared_dir / "tiny_moe", shared_dir / "compile_cache", "qwen3_moe")
     space = tmp_path / "space.yaml"
     space.write_text("builtin_plans: [mlp, moe]\n")
     out = tmp_path / "moe_search"
-    rc, stdout, err = search(
-        capsys,
-        "--model",
-        "qwen3_moe",
-        "--config",
-        str(config),
-        "--search-space",
-        str(space),
-        "--runs",
-        "1",
-        "--warmup",
-        "0",
-        "--out",
-        str(out),
-    )
+    args = ["--model", "qwen3_moe", "--config", config, "--search-space", space, "--out", out]
+    rc, stdout, err = search(capsys, *map(str, args), *["--runs", "1", "--warmup", "0"])
     assert rc == 0, stdout + err
     status = json.loads((out / "search_status.json").read_text())
     assert list(status["candidates"]) == ["baseline", "moe"] and status["winner"] == "moe"
@@ -214,7 +226,7 @@ def test_bad_search_space_and_overrides_exit_2(tmp_path, shared_dir, capsys):
         rc, _, err = search(capsys, "--config", str(config), "--search-space", str(space), "--out", str(tmp_path / "o"))
         assert rc == 2 and err.startswith("error:") and word in err, (text, err)
     rc, _, err = search(capsys, "--config", str(config), "--set", "model_config.superkernel.plan=layer")
-    assert rc == 2 and "scope_search sets model_config.superkernel" in err
+    assert rc == 2 and "scope_search sets the SuperKernel switch" in err and "search space" in err
     rc, _, err = search(capsys, "--model", "nope")
     assert rc == 2 and "nope" in err
     assert not (tmp_path / "o").exists()
@@ -222,28 +234,27 @@ def test_bad_search_space_and_overrides_exit_2(tmp_path, shared_dir, capsys):
 
 def test_apply_changes_restores_on_refusal_and_keeps_comments(tmp_path):
     path = tmp_path / "c.yaml"
-    original = '# top comment\nmodel_config:\n  exe_mode: "eager"   # modes\n  superkernel:\n    enable: false  # sk\n'
+    original = '# top comment\nmodel_config:\n  exe_mode: "eager"   # modes\n  enable_superkernel: false  # sk\n'
     path.write_text(original)
 
     def refuse(p: Path):
-        assert yaml.safe_load(p.read_text())["model_config"]["superkernel"]["enable"] is True
+        assert yaml.safe_load(p.read_text())["model_config"]["enable_superkernel"] is True
         raise ValueError("refused")
 
     with pytest.raises(ValueError, match="refused"):
-        apply_changes(path, {"model_config.superkernel.enable": True}, validate=refuse)
+        apply_changes(path, {"model_config.enable_superkernel": True}, validate=refuse)
     assert path.read_text() == original
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp") or ".check." in p.name]
     res = apply_changes(
         path,
         {
-            "model_config.superkernel.enable": True,
+            "model_config.enable_superkernel": True,
             "model_config.superkernel.custom": [{"regions": ["layer_*_m??"], "label": "ffn"}],
         },
     )
     new = path.read_text()
     assert "# top comment" in new and "# modes" in new and "# sk" in new
-    assert yaml.safe_load(new)["model_config"]["superkernel"] == {
-        "enable": True,
-        "custom": [{"regions": ["layer_*_m??"], "label": "ffn"}],
-    }
-    assert res.backup.read_text() == original and "+    enable: true" in res.diff
+    mc = yaml.safe_load(new)["model_config"]
+    assert mc["enable_superkernel"] is True
+    assert mc["superkernel"] == {"custom": [{"regions": ["layer_*_m??"], "label": "ffn"}]}
+    assert res.backup.read_text() == original and "+  enable_superkernel: true" in res.diff

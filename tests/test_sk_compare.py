@@ -21,11 +21,7 @@ import yaml
 from executor.cli import main as cli_main
 from executor.config import load_config
 from executor.logs import decode_average_ms
-
-try:  # `python -m pytest` from the repo root
-    from tests.tool_fixtures import recipe_config
-except ImportError:  # plain `pytest`
-    from tool_fixtures import recipe_config
+from tests.tool_fixtures import recipe_config
 
 REPO = Path(__file__).resolve().parent.parent
 TOOL = REPO / "tools" / "sk_compare.py"
@@ -83,9 +79,16 @@ def test_end_to_end_both_sides_run(tmp_path, user_config, capsys):
     }
     # the copies differ only in the SuperKernel keys and keep the user's comments
     base, opt = (yaml.safe_load((out / f"{s}.yaml").read_text()) for s in ("baseline", "optimized"))
-    assert base["model_config"]["superkernel"] == {"enable": False, "plan": "attention"}
-    assert opt["model_config"]["superkernel"] == {"enable": True, "plan": "decoder"}
-    base.pop("model_config"), opt.pop("model_config")
+    assert (base["model_config"]["enable_superkernel"], base["model_config"]["superkernel"]) == (
+        False,
+        {"plan": "attention"},
+    )
+    assert (opt["model_config"]["enable_superkernel"], opt["model_config"]["superkernel"]) == (
+        True,
+        {"plan": "decoder"},
+    )
+    for side in (base, opt):
+        side["model_config"].pop("enable_superkernel"), side["model_config"].pop("superkernel")
     assert base == opt
     assert "# the configured plan" in (out / "optimized.yaml").read_text()
     report = (out / "superkernel_optimization_report.md").read_text()
@@ -174,18 +177,8 @@ def test_crashed_side_reported_as_failed_config_identical(tmp_path, user_config,
     )
     rc, _stdout, _err = compare(
         capsys,
-        "--config",
-        str(user_config),
-        "--runs",
-        "2",
-        "--warmup",
-        "1",
-        "--out",
-        str(out),
-        "--cmd-baseline",
-        base_cmd,
-        "--cmd-optimized",
-        "echo 'error: device lost' >&2; false",
+        *("--config", str(user_config), "--out", str(out), "--runs", "2", "--warmup", "1"),
+        *("--cmd-baseline", base_cmd, "--cmd-optimized", "echo 'error: device lost' >&2; false"),
     )
     assert rc == 1
     assert user_config.read_bytes() == before
@@ -211,20 +204,8 @@ def test_eager_config_with_graph_only_override_runs_both_sides_in_ge_graph(tmp_p
     out = tmp_path / "eager"
     rc, _, err = compare(
         capsys,
-        "--config",
-        str(user_config),
-        "--runs",
-        "1",
-        "--warmup",
-        "0",
-        "--out",
-        str(out),
-        "--set",
-        "model_config.enable_cache_compile=true",
-        "--cmd-baseline",
-        log,
-        "--cmd-optimized",
-        log,
+        *("--config", str(user_config), "--out", str(out), "--runs", "1", "--warmup", "0"),
+        *("--set", "model_config.enable_cache_compile=true", "--cmd-baseline", log, "--cmd-optimized", log),
     )
     assert rc == 0, err
     assert user_config.read_bytes() == before
@@ -278,8 +259,11 @@ def test_from_logs_upstream_format(tmp_path, user_config, capsys):
     assert checks["prefill and decode are separate"] == "PASS"
     assert checks["SuperKernel really ran in the optimized runs"] == "WARN"
     opt.write_text("qwen3_8b average inference time cost is 8.00 ms\n")  # no prefill line
-    rc, _, _ = compare(capsys, "--config", str(user_config), "--from-logs", str(base), str(opt), "--out", str(out))
-    checks = {c["item"]: c["status"] for c in json.loads((out / "results.json").read_text())["checklist"]}
+    rc, _, err = compare(capsys, "--config", str(user_config), "--from-logs", str(base), str(opt), "--out", str(out))
+    assert rc == 2 and "already holds a run" in err  # a comparison never overwrites another one's results
+    out2 = tmp_path / "parsed_again"
+    rc, _, _ = compare(capsys, "--config", str(user_config), "--from-logs", str(base), str(opt), "--out", str(out2))
+    checks = {c["item"]: c["status"] for c in json.loads((out2 / "results.json").read_text())["checklist"]}
     assert rc == 0 and checks["prefill and decode are separate"] == "WARN"
 
 
@@ -296,7 +280,7 @@ def test_error_paths_exit_2(tmp_path, user_config, capsys):
     assert rc == 2 and str(no_timing) in err and "no decode timing" in err
     rc, _, err = compare(capsys, "--model", "no_such_model")
     assert rc == 2 and "no_such_model" in err and "qwen" in err
-    rc, _, err = compare(capsys, "--config", str(user_config), "--set", "model_config.superkernel.enable=true")
+    rc, _, err = compare(capsys, "--config", str(user_config), "--set", "model_config.enable_superkernel=true")
     assert rc == 2 and "--plan" in err
     rc, _, err = compare(capsys, "--config", str(user_config), "--plan", "custom", "--out", str(tmp_path / "o"))
     assert rc == 2 and "custom" in err  # invalid optimized side: refused before any run

@@ -8,14 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-try:  # `python -m pytest` from the repo root, or tests/ turned into a package
-    import tests.checkpoints as ckpt
-except ImportError:  # plain `pytest`, or --import-mode=importlib
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import checkpoints as ckpt
-
+import tests.checkpoints as ckpt
 from executor.tokenizer import (
     BUILTIN_CORPUS,
     BUILTIN_TOKENIZER,

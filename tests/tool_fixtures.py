@@ -39,13 +39,13 @@ model_config:
   device: "cpu"
   enable_cache_compile: true       # one cache for the whole test session
   cache_dir: "{cache}"
+  enable_superkernel: false        # the tools switch this on their copies only
   superkernel:
-    enable: false                  # the tools switch this on their copies only
     plan: "attention"              # the configured plan
 data_config:
   prompts:
     - "The weather today is"
-  input_max_len: 16
+  input_truncated_len: 16
 scheduler_config:
   batch_size: 1
   max_new_tokens: 6

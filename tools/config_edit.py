@@ -16,6 +16,7 @@ import datetime
 import difflib
 import io
 import itertools
+import json
 import os
 import re
 import shutil
@@ -28,6 +29,8 @@ from typing import Any
 from ruamel.yaml import YAML
 from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.scalarstring import DoubleQuotedScalarString
+
+from executor.config import ConfigError
 
 __all__ = ["ApplyResult", "apply_changes", "edited_text", "unified_diff", "write_copy"]
 
@@ -83,30 +86,84 @@ def _set(data: CommentedMap, dotted: str, value: Any) -> None:
             node[part] = CommentedMap()
         node = node[part]
         if not isinstance(node, Mapping):
-            raise ValueError(f"cannot set {dotted}: {part} is not a section")
+            raise ConfigError(f"cannot set {dotted}: {part} is not a section")
     node[parts[-1]] = _plain_to_yaml(value)
 
 
+def _scalar_text(value: Any, old: str) -> str | None:
+    """`value` as YAML in the style of the token it replaces (`True` stays capitalised, as the
+    SuperKernel workflow's sed edit leaves it); None for values that are not plain scalars."""
+    if isinstance(value, bool):
+        word = "true" if value else "false"
+        return word.capitalize() if old[:1].isupper() else word
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid double-quoted YAML scalar
+    return None
+
+
+def _edit_in_place(text: str, data: CommentedMap, dotted: str, value: Any) -> str | None:
+    """Replace the scalar value of an existing key on its own line, leaving every other byte as
+    it was; None when that is not possible (missing key, a block value, a flow collection)."""
+    node, parts = data, dotted.split(".")
+    for part in parts[:-1]:
+        node = node.get(part) if isinstance(node, Mapping) else None
+        if not isinstance(node, CommentedMap):
+            return None
+    key = parts[-1]
+    if key not in node or isinstance(node[key], (Mapping, list)):
+        return None
+    line_no, col = node.lc.value(key)
+    lines = text.splitlines(keepends=True)
+    line = lines[line_no]
+    rest = line[col:]
+    m = re.match(r'"(?:[^"\\]|\\.)*"|\'(?:[^\']|\'\')*\'|[^\s#][^#\n]*?(?=\s+#|\s*$)', rest)
+    new = _scalar_text(value, m.group(0) if m else "")
+    if m is None or new is None:
+        return None
+    lines[line_no] = line[:col] + new + rest[m.end() :]
+    return "".join(lines)
+
+
 def edited_text(text: str, changes: Mapping[str, Any]) -> str:
-    """`text` with each dotted key of `changes` set (missing sections are created)."""
+    """`text` with each dotted key of `changes` set (missing sections are created).
+
+    A scalar key that is already in the file is changed on its own line and nothing else moves
+    (the diff is exactly the changed values, as with the workflow's sed edit); anything else is
+    a round-trip edit that keeps comments and order."""
     y = _yaml(text)
     data = y.load(text) if text.strip() else CommentedMap()
     if data is None:
         data = CommentedMap()
     if not isinstance(data, Mapping):
-        raise ValueError("config top level is not a mapping of sections")
+        raise ConfigError("config top level is not a mapping of sections")
+    rest = {}
     for key, value in changes.items():
+        edited = _edit_in_place(text, data, key, value) if isinstance(data, CommentedMap) else None
+        if edited is None:
+            rest[key] = value
+        else:
+            text = edited
+            data = y.load(text)
+    if not rest:
+        return text
+    for key, value in rest.items():
         _set(data, key, value)
     buf = io.StringIO()
     y.dump(data, buf)
-    return buf.getvalue()
+    # ruamel writes every boolean as true/false: give back lines that differ from the file's own
+    # only in that case, so untouched keys stay as the user wrote them (True, False).
+    original = {line.lower(): line for line in text.splitlines()}
+    lines = [original.get(line.lower(), line) for line in buf.getvalue().splitlines()]
+    return "\n".join(lines) + "\n"
 
 
 def write_copy(src: Path, dst: Path, changes: Mapping[str, Any]) -> Path:
     """Write `src` with `changes` applied to `dst`; `src` is only read."""
     src, dst = Path(src), Path(dst)
     if not src.is_file():
-        raise FileNotFoundError(f"config file {src} does not exist")
+        raise ConfigError(f"config file {src} does not exist")
     dst.parent.mkdir(parents=True, exist_ok=True)
     dst.write_text(edited_text(src.read_text(), changes))
     return dst

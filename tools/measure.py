@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from executor import stats
-from executor.arch import REPO_ROOT
 from executor.config import ConfigError, RunConfig, load_config
-from executor.logs import LogParseError, parse_log_file
+from executor.errors import RecipeError
+from executor.logs import LogParseError, iqr_filter, parse_log_file
+from executor.paths import REPO_ROOT
 from tools.config_edit import write_copy
 
 INFER_SH = REPO_ROOT / "infer.sh"
@@ -36,26 +37,39 @@ SK_KEY = "model_config.superkernel"
 _KILL_GRACE_S = 5.0  # a child gets this long to exit after SIGTERM before SIGKILL
 
 
-class MeasureError(ValueError):
+class MeasureError(RecipeError):
     """A log or run cannot give the numbers asked for; the message names the file."""
 
 
 # ----------------------------------------------------------------------------- side configs
+SWITCH_KEYS = ("model_config.enable_superkernel", "model_config.custom_params.enable_superkernel")
+
+
 def reject_superkernel_overrides(overrides: list[str], tool: str) -> None:
-    """The tools own the SuperKernel keys of each side; a --set on them would silently win."""
+    """The tools own the SuperKernel switch and plan of each side; a --set on them would silently win."""
     for item in overrides:
-        if item.split("=", 1)[0].strip().startswith(SK_KEY + "."):
-            raise ConfigError(
-                f"--set {item}: {tool} sets {SK_KEY}.* itself for each side (use --plan to choose the plan)"
-            )
+        key = item.split("=", 1)[0].strip()
+        if key in SWITCH_KEYS or key.startswith(SK_KEY + "."):
+            hint = "use --plan to choose the plan" if tool == "sk_compare" else "the search space chooses the plans"
+            raise ConfigError(f"--set {item}: {tool} sets the SuperKernel switch and {SK_KEY}.* itself ({hint})")
+
+
+def switch_key(cfg: RunConfig) -> str:
+    """Where this config keeps enable_superkernel (custom_params only if that is where it is)."""
+    mc = cfg.model_config
+    if mc.enable_superkernel is None and mc.custom_params.enable_superkernel is not None:
+        return SWITCH_KEYS[1]
+    return SWITCH_KEYS[0]
 
 
 def side_changes(cfg: RunConfig, superkernel: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
     """YAML changes for one side and why, in words. superkernel=None means SuperKernel off.
 
-    SuperKernel needs a graph mode, and a baseline is only comparable in the same mode, so an
-    eager config runs ge_graph on every side (the workflow's "edit config: exe_mode ge_graph"),
-    and the report says so.
+    As the SuperKernel workflow does, a side differs from the user's YAML in the
+    `enable_superkernel` line only (wherever the YAML keeps it), plus the plan when one is asked
+    for. SuperKernel needs a graph mode, and a baseline is only comparable in the same mode, so
+    an eager config runs ge_graph on every side (the workflow's "edit config: exe_mode
+    ge_graph"), and the report says so.
     """
     changes: dict[str, Any] = {}
     notes: list[str] = []
@@ -64,16 +78,14 @@ def side_changes(cfg: RunConfig, superkernel: dict[str, Any] | None) -> tuple[di
         notes.append(
             "model_config.exe_mode: eager -> ge_graph (SuperKernel needs a graph mode; same mode on every side)"
         )
-    if superkernel is None:
-        changes[f"{SK_KEY}.enable"] = False
-        notes.append(f"{SK_KEY}.enable: false")
-        return changes, notes
-    changes[f"{SK_KEY}.enable"] = True
-    notes.append(f"{SK_KEY}.enable: true")
-    for key in ("plan", "options", "custom"):
-        if key in superkernel:
-            changes[f"{SK_KEY}.{key}"] = superkernel[key]
-            notes.append(f"{SK_KEY}.{key}: {json.dumps(superkernel[key])}")
+    key, on = switch_key(cfg), superkernel is not None
+    if cfg.model_config.superkernel_enabled != on:
+        changes[key] = on
+    notes.append(f"{key}: {'true' if on else 'false'}")
+    for name in ("plan", "options", "custom"):
+        if on and name in superkernel:
+            changes[f"{SK_KEY}.{name}"] = superkernel[name]
+            notes.append(f"{SK_KEY}.{name}: {json.dumps(superkernel[name])}")
     return changes, notes
 
 
@@ -111,10 +123,16 @@ class RunResult:
     peak_memory_mb: float | None = None
     model_name: str | None = None  # as the log lines name it
     metrics: dict | None = field(default=None, repr=False)
+    steps_dropped: int | None = None  # per-step lines left out of step_ms by the IQR outlier rule
+    lines_ignored: int | None = None  # log lines with no timing (what the run printed besides)
 
     def row(self) -> dict:
         """Flat view for runs.csv / results.json (per-step list and metrics left out)."""
         return {k: v for k, v in asdict(self).items() if k not in ("metrics", "decode_ms")}
+
+    def kept_steps(self) -> list[float]:
+        """Per-step decode times after the IQR rule: the samples the per-step judgement uses."""
+        return iqr_filter(self.decode_ms)
 
 
 def infer_command(model: str, config: Path, overrides: tuple[str, ...], out_dir: Path) -> list[str]:
@@ -134,6 +152,7 @@ def parse_run(
     """Numbers of one finished run from its log (+ metrics.json); raises MeasureError."""
     try:
         parsed = parse_log_file(log)
+        parsed.check_timings()  # a negative, zero, infinite or NaN time is refused, never averaged in
         step = parsed.step_ms()
     except LogParseError as exc:
         raise MeasureError(str(exc)) from None
@@ -159,6 +178,8 @@ def parse_run(
         (metrics or {}).get("peak_memory_mb"),
         parsed.model_name,
         metrics,
+        len(parsed.decode_ms) - len(iqr_filter(parsed.decode_ms)),
+        parsed.lines_ignored,
     )
 
 
@@ -298,12 +319,14 @@ def summarise(results: list[RunResult]) -> dict:
     if not ok:
         return out | {"step_ms": None}
     steps = [r.step_ms for r in ok]
+    samples = [x for r in ok for x in r.kept_steps()]  # per-step, pooled over the runs
     cv = stats.cv_percent(steps)
     prefills = [r.prefill_ms for r in ok if r.prefill_ms is not None]
     step = stats.median(steps)
     return out | {
         "step_ms": step,
         "step_ms_runs": steps,
+        "step_ms_samples": samples,
         "step_ms_min": min(steps),
         "step_ms_max": max(steps),
         "cv_percent": cv,
@@ -325,7 +348,9 @@ def compare(base: list[RunResult], opt: list[RunResult]) -> dict:
             "throughput_gain_percent": None,
             "speedup": None,
             "exceeds_noise": None,
+            "noise_method": None,
         }
+    judged = judge(sb, so)
     return out | {
         "latency_improvement_percent": stats.improvement_percent(sb["step_ms"], so["step_ms"]),
         "throughput_gain_percent": (
@@ -334,8 +359,17 @@ def compare(base: list[RunResult], opt: list[RunResult]) -> dict:
             else None
         ),
         "speedup": sb["step_ms"] / so["step_ms"],
-        "exceeds_noise": stats.exceeds_noise(sb["step_ms_runs"], so["step_ms_runs"]),
+        "exceeds_noise": judged["exceeds_noise"],
+        "noise_method": judged["method"],
     }
+
+
+def judge(base: dict, opt: dict) -> dict:
+    """stats.judge_difference on two `summarise` results: run-to-run with 2+ runs a side, else
+    per-step samples; the returned `method` says which decided."""
+    return stats.judge_difference(
+        base["step_ms_runs"], opt["step_ms_runs"], base.get("step_ms_samples", ()), opt.get("step_ms_samples", ())
+    )
 
 
 # ----------------------------------------------------------------------------- accuracy

@@ -27,41 +27,43 @@ if __package__ in (None, ""):  # `python tools/sk_compare.py`: make the repo imp
 
 import pandas as pd
 
-from executor.arch import REPO_ROOT
-from executor.platform import Platform, PlatformError, detect, software_versions
+from executor.errors import run_command
+from executor.paths import claim_output_dir, results_dir
+from executor.platform import Platform, PlatformError, software_versions
+from executor.registry import recipe_parser
 from tools import measure
 from tools.config_edit import unified_diff
 from tools.measure import RunResult, Side
 from tools.measure import fmt as _f
+from tools.startup import ToolStart, start
 
 REPORT = "superkernel_optimization_report.md"
 SIDES = ("baseline", "optimized")
 
 
+USAGE = "python tools/sk_compare.py"
+DESCRIPTION = (
+    "Measure decode latency with SuperKernel off (baseline) and on (optimized), same config "
+    "otherwise, and write superkernel_optimization_report.md + results.json + runs.csv + plots."
+)
+EPILOG = (
+    "examples:\n  python tools/sk_compare.py --model qwen\n"
+    "  python tools/sk_compare.py --model qwen --plan decoder --runs 5 --set scheduler_config.max_new_tokens=64\n"
+    "  python tools/sk_compare.py --model qwen --from-logs base.log opt.log\n"
+    "exit codes: 0 report written, 1 a side had no successful run, 2 bad input, 130 interrupted"
+)
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python tools/sk_compare.py",
-        description="Measure decode latency with SuperKernel off (baseline) and on (optimized), same config "
-        "otherwise, and write superkernel_optimization_report.md + results.json + runs.csv + plots.",
-        epilog="examples:\n  python tools/sk_compare.py --model qwen\n"
-        "  python tools/sk_compare.py --model qwen --plan decoder --runs 5 --set scheduler_config.max_new_tokens=64\n"
-        "  python tools/sk_compare.py --model qwen --from-logs base.log opt.log\n"
-        "exit codes: 0 report written, 1 a side had no successful run, 2 bad input, 130 interrupted",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = recipe_parser(
+        USAGE,
+        DESCRIPTION,
+        EPILOG,
+        config_help="a recipe YAML anywhere, instead of --yaml; only read; --set applies to both sides",
     )
-    p.add_argument("--model", default="qwen", help="recipe directory under models/ (default: qwen)")
-    p.add_argument("--config", help="recipe YAML, only read (default: models/<model>/config.yaml)")
     p.add_argument("--runs", type=int, default=3, help="measured runs per side, alternating (default: 3)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up runs per side, not measured (default: 1)")
     p.add_argument("--plan", help="SuperKernel plan of the optimized side (default: the config's plan)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override for both sides (repeatable), e.g. scheduler_config.max_new_tokens=64",
-    )
     p.add_argument("--out", help="output directory (default: models/<model>/res/<date>/sk_compare_<time>/)")
     p.add_argument(
         "--cmd-baseline",
@@ -77,26 +79,22 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    from executor.cli import runner_class
-    from executor.config import load_config
-
+    p = parser()
+    args = p.parse_args(argv)
     if args.runs < 1 or args.warmup < 0:
-        raise ValueError(f"--runs must be >= 1 and --warmup >= 0 (got {args.runs}, {args.warmup})")
-    runner_class(args.model)  # a bad --model is an error before anything else
-    config = Path(args.config).resolve() if args.config else REPO_ROOT / "models" / args.model / "config.yaml"
-    measure.reject_superkernel_overrides(args.overrides, "sk_compare")
-    cfg = load_config(config, args.overrides, check=False)  # each side's copy is validated before it runs
-    platform = detect(cfg.model_config.device)
+        p.error(f"--runs must be >= 1 and --warmup >= 0 (got {args.runs}, {args.warmup})")
+    st = start(args, "sk_compare")
+    platform = st.platform
     if args.require_a3 and not platform.is_a3:
         raise PlatformError(f"--require-a3: this machine is {platform.describe()}, not an Atlas A3 ({platform.reason})")
     now = datetime.datetime.now()
-    out = (
-        Path(args.out)
-        if args.out
-        else REPO_ROOT / "models" / args.model / "res" / f"{now:%Y-%m-%d}" / f"sk_compare_{now:%H%M%S}"
-    ).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = (Path(args.out) if args.out else results_dir(args.model, "sk_compare", now)).resolve()
+    with claim_output_dir(out, "results.json"):
+        return _compare(args, st, out, now)
+
+
+def _compare(args: argparse.Namespace, st: ToolStart, out: Path, now: datetime.datetime) -> int:
+    config, cfg, platform = st.config, st.cfg, st.platform
     progress = measure.Progress("sk_compare")
     notes: dict[str, list[str]] = {}
     if args.from_logs:
@@ -110,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
             sk = None if name == "baseline" else ({"plan": args.plan} if args.plan else {})
             changes, notes[name] = measure.side_changes(cfg, sk)
             copy = out / f"{name}.yaml"
-            measure.write_side_config(config, copy, changes, args.overrides)  # validates before any run
+            side_cfg = measure.write_side_config(config, copy, changes, args.overrides)  # validates before any run
+            if cmd is None:  # what infer.sh would refuse (plan vs the model's regions, memory, cache): refuse now
+                st.runner.check_before_run(side_cfg, platform)
             sides.append(Side(name, copy, tuple(args.overrides), cmd))
         progress(
             f"{args.model}: {args.warmup} warm-up + {args.runs} measured run(s) per side, alternating; output in {out}"
@@ -123,9 +123,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _from_log(side: str, path: Path, batch: int) -> RunResult:
+    if path.is_dir():
+        raise measure.MeasureError(f"--from-logs: {side} log {path} is a directory, not a log file")
     if not path.is_file():
-        raise FileNotFoundError(f"--from-logs: {side} log {path} does not exist")
-    return measure.parse_run(side, 1, path.resolve(), None, batch)  # MeasureError (a ValueError) names the file
+        raise measure.MeasureError(f"--from-logs: {side} log {path} does not exist")
+    r = measure.parse_run(side, 1, path.resolve(), None, batch)  # MeasureError names the file and line
+    print(
+        f"{side}: {path}: {len(r.decode_ms)} per-step decode line(s), {r.steps_dropped} left out as outliers "
+        f"(IQR rule), {r.lines_ignored} line(s) without a timing ignored"
+    )
+    return r
 
 
 # ----------------------------------------------------------------------------- checklist
@@ -212,15 +219,16 @@ def conclusion(cmp: dict, plan: str, portable: bool) -> str:
         failed = [s for s in SIDES if cmp[s]["step_ms"] is None]
         return f"No comparison: every run of {', '.join(failed)} failed (see Runs)."
     imp = cmp["latency_improvement_percent"]
+    method = cmp.get("noise_method") or "run-to-run"
     if not cmp["exceeds_noise"]:
         return (
-            f"SuperKernel plan {plan}: {imp:+.1f}% decode latency, which does not exceed the run-to-run noise{where}; "
-            "add runs (--runs 5) or a longer decode before drawing a conclusion."
+            f"SuperKernel plan {plan}: {imp:+.1f}% decode latency, which does not exceed the noise{where}; "
+            f"decided by {method}; add runs (--runs 5) or a longer decode before drawing a conclusion."
         )
     verb = "reduces" if imp > 0 else "increases"
     return (
         f"SuperKernel plan {plan} {verb} decode latency from {sb['step_ms']:.3f} to {so['step_ms']:.3f} ms/step "
-        f"({abs(imp):.1f}%, beyond run-to-run noise){where}."
+        f"({abs(imp):.1f}%, {sb['step_ms'] / so['step_ms']:.2f}x, beyond the noise){where}; decided by {method}."
     )
 
 
@@ -373,7 +381,7 @@ def _model_and_scope(r: Report) -> list[str]:
         model = [
             f"- recipe `{r.args.model}`, model_name `{mc.model_name}`"
             + (f", {m0['model_type']} from {source}" if m0 else ""),
-            f"- weights: {weights}, dtype {mc.dtype}",
+            f"- weights: {weights}, dtype {m0.get('dtype', mc.dtype)}",
             f"- batch size {r.cfg.scheduler_config.batch_size}, max_new_tokens "
             f"{r.cfg.scheduler_config.max_new_tokens}, {len(r.cfg.data_config.prompts)} prompt(s)",
         ]
@@ -468,18 +476,21 @@ def _environment_and_results(r: Report) -> list[str]:
         f"{_f(so.get('cv_percent'), '.1f', '%')} {so.get('stability', '')} | |",
         f"| failed runs | {sb['failed_runs']} | {so['failed_runs']} | |",
         "",
-        f"Speedup {_f(cmp['speedup'], '.3f', 'x')}; difference exceeds run-to-run noise: {noise}.",
+        f"Speedup {_f(cmp['speedup'], '.3f', 'x')}; difference exceeds the noise: {noise}"
+        + (f" (decided by {cmp['noise_method']})." if cmp.get("noise_method") else "."),
         "",
         "### Runs",
         "",
-        "| side | run | status | ms/step | tokens/s | prefill ms | log |",
-        "|---|---|---|---|---|---|---|",
+        "| side | run | status | ms/step | tokens/s | prefill ms | steps (outliers left out) | other lines | log |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for side in SIDES:
         for x in r.results[side]:
+            steps = f"{len(x.decode_ms)} ({x.steps_dropped})" if x.ok and x.decode_ms else "-"
             lines.append(
                 f"| {side} | {'warm-up' if x.index == 0 else x.index} | {'ok' if x.ok else 'FAILED: ' + x.error} | "
-                f"{_f(x.step_ms)} | {_f(x.tokens_per_s, '.1f')} | {_f(x.prefill_ms, '.2f')} | {Path(x.log).name} |"
+                f"{_f(x.step_ms)} | {_f(x.tokens_per_s, '.1f')} | {_f(x.prefill_ms, '.2f')} | {steps} | "
+                f"{_f(x.lines_ignored, 'd', missing='-')} | {Path(x.log).name} |"
             )
     return lines + [
         "",
@@ -505,6 +516,4 @@ def render(r: Report) -> str:
 
 
 if __name__ == "__main__":  # the repo root is on sys.path (top of this file)
-    from executor.cli import main as cli_main
-
-    sys.exit(cli_main(["compare", *sys.argv[1:]]))
+    sys.exit(run_command(main, sys.argv[1:]))

@@ -20,7 +20,7 @@ the whole scope unfused with a warning.
 from __future__ import annotations
 
 import operator
-import time
+import tempfile
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,7 +29,18 @@ import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.fx.passes.split_module import split_module
 
-from executor.scope import SCOPE_ENTER, SCOPE_EXIT, parse_options, set_scope_impl
+from executor.backends.base import (
+    Backend,
+    CompiledStep,
+    DecodeSpec,
+    Step,
+    StepReport,
+    cache_key,
+    cache_root,
+    keyed_cache_dir,
+)
+from executor.errors import RecipeError
+from executor.scope import SCOPE_ENTER, SCOPE_EXIT, parse_options
 
 _MARKERS = (SCOPE_ENTER, SCOPE_EXIT, torch.ops.sk.scope_enter, torch.ops.sk.scope_exit)
 
@@ -76,11 +87,11 @@ def _gemv_to_reduction(gm: torch.fx.GraphModule) -> int:
     return rewritten
 
 
-class ScopeCheckError(Exception):
+class ScopeCheckError(RecipeError):
     """strict-scope-check=abort found an op that cannot join its scope."""
 
 
-class GraphBreakError(Exception):
+class GraphBreakError(RecipeError):
     """The decode step cannot be captured as one graph (GE mode needs fullgraph)."""
 
 
@@ -109,7 +120,6 @@ class ScopeStats:
 @dataclass
 class CompileStats:
     graphs: int = 0
-    compile_s: float = 0.0
     scopes: dict[str, ScopeStats] = field(default_factory=dict)
 
 
@@ -128,6 +138,19 @@ def _is_tensor(node: torch.fx.Node) -> bool:
 def _op_name(node: torch.fx.Node) -> str:
     target = node.target
     return getattr(target, "__name__", str(target))
+
+
+def _fake_inputs(args: tuple) -> list:
+    """Fake copies of a segment's real inputs, under a fake mode with a shape environment.
+
+    Why: the segments are compiled at their first call, outside dynamo's tracing context, and
+    Inductor's FX graph cache (what makes a second run's compile take seconds, with
+    enable_cache_compile) is bypassed for inputs without a shape environment ("No shape env")."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    return [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
 
 
 class _Segment(torch.nn.Module):
@@ -153,7 +176,7 @@ class _Segment(torch.nn.Module):
             if self.device == "cpu":
                 _gemv_to_reduction(self.gm)
             with inductor_config.patch(patch):
-                self.fn = compile_fx(self.gm, list(args))
+                self.fn = compile_fx(self.gm, _fake_inputs(args))
             if self.fused and self.device == "cuda":
                 self.fn = _CudaGraphUnit(self.fn, args)
         if self.stats is not None and self.fused:
@@ -187,7 +210,7 @@ class _CudaGraphUnit:
         return type(self.out)(o.clone() if isinstance(o, torch.Tensor) else o for o in self.out)
 
 
-class InductorBackend:
+class GraphCompiler:
     """Dynamo backend object: counts graphs and, with SuperKernel, splits at scope markers."""
 
     def __init__(self, superkernel: bool, device: str):
@@ -282,20 +305,29 @@ class InductorBackend:
         return False
 
 
-class CompiledStep:
-    """A compiled decode step plus what compiling it did (for metrics.json)."""
+class InductorStep(CompiledStep):
+    """The compiled step: dynamo's errors become ours, and what the scopes did is reported."""
 
-    def __init__(self, fn: Callable, backend: InductorBackend | None, name: str):
-        self.backend, self.name = backend, name
-        self._fn = fn
-        self.calls = 0
-        self.graphs_after_first_call = 0
+    def __init__(
+        self,
+        fn: Callable,
+        compiler: GraphCompiler,
+        name: str,
+        cache_dir: str | None,
+        cache_enabled: bool,
+        cache_key: dict | None = None,
+    ):
+        super().__init__(fn, name, count_graphs=lambda: compiler.stats.graphs)
+        self.compiler, self.cache_dir, self.cache_enabled, self.cache_key = (
+            compiler,
+            cache_dir,
+            cache_enabled,
+            cache_key,
+        )
 
-    def __call__(self, *args):
-        graphs_before = self.backend.stats.graphs if self.backend else 0
-        t0 = time.perf_counter()
+    def _call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         try:
-            out = self._fn(*args)
+            return self.fn(input_ids, positions)
         except torch._dynamo.exc.BackendCompilerFailed as exc:
             if isinstance(exc.inner_exception, ScopeCheckError):
                 raise exc.inner_exception from None
@@ -306,38 +338,77 @@ class CompiledStep:
                 f"the decode step has a graph break ({first}); exe_mode ge_graph compiles "
                 "it as one graph (fullgraph=True), so remove the break or use eager"
             ) from None
-        if self.backend is not None:
-            new = self.backend.stats.graphs - graphs_before
-            if self.calls == 0:
-                self.backend.stats.compile_s = time.perf_counter() - t0
-                if self.backend.stats.graphs == 0:  # dynamo gave up (e.g. recompile limit): never run eager silently
-                    raise RuntimeError(
-                        "the decode step was not compiled (torch._dynamo skipped it); see TORCH_LOGS=recompiles"
-                    )
-            else:
-                self.graphs_after_first_call += new
-        self.calls += 1
-        return out
 
-    @property
-    def recompiles(self) -> int:
-        return self.graphs_after_first_call
+    def _first_call_done(self) -> None:
+        if self.graphs == 0:  # dynamo gave up (e.g. recompile limit): never run eager silently
+            raise RuntimeError("the decode step was not compiled (torch._dynamo skipped it); see TORCH_LOGS=recompiles")
+
+    def report(self) -> StepReport:
+        scopes = self.compiler.stats.scopes.values()
+        return StepReport(
+            self.name,
+            self.compile_s,
+            self.graphs,
+            self.recompiles,
+            cache_dir=self.cache_dir,
+            cache_enabled=self.cache_enabled,
+            cache_key=self.cache_key,
+            scopes=[s.as_dict() for s in scopes],
+            superkernel_ran=any(s.launches > 0 for s in scopes),
+        )
 
 
-def compile_ge(step: Callable, superkernel: bool, device: str) -> CompiledStep:
-    set_scope_impl(None)  # marker ops
+def compile_inductor(
+    step: Callable,
+    superkernel: bool,
+    device: str,
+    cache_dir: str | None = None,
+    cache_enabled: bool = False,
+    cache_key: dict | None = None,
+) -> InductorStep:
+    """torch.compile the whole step with our graph compiler (Inductor; SK = one launch unit per scope).
+
+    The scope markers must be the active scope implementation while the step is traced
+    (executor.context does that for a run)."""
     # Every runner compiles the same code object (ModelRunner._decode_step): isolate each
     # compile's cache entries so runners in one process (tests, benchmarks) never share or
     # exhaust a recompile budget. Parameters are not guarded (torchair's frozen_parameter:
     # their addresses are fixed for the run), which saves ~50 us of guard checks per step.
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
-    backend = InductorBackend(superkernel, device)
+    compiler = GraphCompiler(superkernel, device)
     compiled = torch.compile(
         step,
-        backend=backend,
+        backend=compiler,
         fullgraph=True,
         dynamic=False,
         isolate_recompiles=True,
         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
     )
-    return CompiledStep(compiled, backend, "inductor+superkernel" if superkernel else "inductor")
+    name = "inductor+superkernel" if superkernel else "inductor"
+    return InductorStep(compiled, compiler, name, cache_dir, cache_enabled, cache_key)
+
+
+class InductorBackend(Backend):
+    """Portable graph mode on CPU/CUDA (exe_mode ge_graph): reference ops, marker-op scopes.
+
+    With enable_cache_compile the Inductor cache lives in a directory of `cache_root` keyed on
+    everything that changes the graph (base.cache_key), else in a fresh directory per run, so
+    that a "cold" compile really is cold."""
+
+    def __init__(self, spec: DecodeSpec, device: str):
+        mc = spec.model_config
+        self.superkernel, self.device = mc.superkernel_enabled, device
+        self.name = "inductor+superkernel" if self.superkernel else "inductor"
+        self.cache_enabled = mc.enable_cache_compile
+        self.cache_key = cache_key(spec, self.name, self.op_table, {"torch": torch.__version__})
+        self.cache_dir = (
+            str(keyed_cache_dir(cache_root(mc), self.cache_key))
+            if self.cache_enabled
+            else tempfile.mkdtemp(prefix="sk_compile_")
+        )
+
+    def environment(self) -> dict[str, str]:
+        return {"TORCHINDUCTOR_CACHE_DIR": self.cache_dir}
+
+    def compile(self, step: Step) -> InductorStep:
+        return compile_inductor(step, self.superkernel, self.device, self.cache_dir, self.cache_enabled, self.cache_key)

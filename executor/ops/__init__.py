@@ -1,14 +1,16 @@
 """The fused-op interface model code calls: `ops.rms_norm(...)`, `ops.attention(...)`, ...
 
 Why an indirection: model files must not branch on the device. Each op name maps to one
-implementation in the active table; `use("reference")` (default, plain PyTorch, runs
-everywhere) or `use("npu")` (torch_npu fused kernels, registered by executor.backends.npu).
-The table is chosen once per run by the backend, never inside model code.
+implementation in the active table: "reference" (default, plain PyTorch, runs everywhere) or
+"npu" (torch_npu fused kernels, registered by executor.backends.npu). The table is chosen once
+per run by its backend and installed by the run's execution context (executor.context) with
+`using(name)`, which restores the previous table afterwards; never inside model code.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 from executor.ops import reference
 
@@ -39,21 +41,31 @@ def register(name: str, table: dict[str, Callable]) -> None:
     _TABLES[name] = {**_TABLES["reference"], **table}
 
 
-def use(name: str) -> None:
+@contextlib.contextmanager
+def using(name: str) -> Iterator[None]:
+    """Make table `name` the active one for a `with` block (the run's execution context does this)."""
     if name not in _TABLES:
         raise ValueError(f"op implementation {name!r} is not registered; registered: {', '.join(_TABLES)}")
+    previous, previous_name = dict(_active), _active_name[0]
     _active.clear()
     _active.update(_TABLES[name])
     _active_name[0] = name
+    try:
+        yield
+    finally:
+        _active.clear()
+        _active.update(previous)
+        _active_name[0] = previous_name
 
 
 def active() -> str:
     return _active_name[0]
 
 
-def implementations() -> dict[str, str]:
-    """Which module implements each op right now (recorded in metrics.json)."""
-    return {name: f"{fn.__module__}.{fn.__name__}" for name, fn in _active.items()}
+def implementations(table: str | None = None) -> dict[str, str]:
+    """Which function implements each op of `table` (default: the active one), for metrics.json."""
+    fns = _active if table is None else _TABLES[table]
+    return {name: f"{fn.__module__}.{fn.__name__}" for name, fn in fns.items()}
 
 
 def rms_norm(x, weight, eps):

@@ -1,4 +1,4 @@
 #!/usr/bin/env bash
-# `cd models/qwen; bash infer.sh [--set key=value ...]`: run this recipe with its own config.yaml.
+# `cd models/<recipe>; bash infer.sh [--yaml NAME] [--set key=value ...]`: run this recipe (default: config/builtin.yaml).
 DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 exec bash "$DIR/../../infer.sh" --model "$(basename "$DIR")" "$@"
