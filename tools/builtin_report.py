@@ -52,6 +52,8 @@ def executor_sample(model: str, checkpoint: Path) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "executor.cli", "run", "--model", model, "--out", tmp]
         cmd += ["--set", f"model_config.model_path={checkpoint}", "--set", "model_config.with_ckpt=true"]
+        cmd += ["--set", "model_config.exe_mode=eager", "--set", "model_config.enable_superkernel=false"]
+        cmd += ["--set", "model_config.enable_cache_compile=false"]
         proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"executor run failed ({proc.returncode}): {proc.stderr.strip()[-300:]}")
@@ -77,7 +79,8 @@ def write_readme(record: dict, path: Path) -> None:
     load = r["load_average"]
     shared = (
         f"The CPU was shared with other jobs during this run (load average {load[0]:.1f} at the start, "
-        f"{load[1]:.1f} at the end, on {r['cpus']} cores), so these times are inflated."
+        f"{load[1]:.1f} at the end, on {r['cpus']} cores), so these times are inflated; on an idle machine "
+        f"the training loop takes about its CPU time per thread, {r['train_cpu_minutes'] / r['threads']:.1f} min."
         if max(load) > r["threads"] + 0.5
         else f"Load average {load[0]:.1f} at the start, {load[1]:.1f} at the end, on {r['cpus']} cores."
     )
@@ -91,8 +94,8 @@ def write_readme(record: dict, path: Path) -> None:
     flag = "" if r["model"] == "qwen" else f" --model {r['model']}"
     ex = r.get("executor_sample")
     executor = (
-        f"Through this repository's executor (`bash infer.sh{flag}` "
-        f"with the `model_path` above: our loader and model code, eager, greedy, {len(ex['token_ids'])} new tokens), "
+        f"Through this repository's executor (`bash infer.sh{flag}` in eager mode: our loader and model code, greedy, "
+        f"{len(ex['token_ids'])} new tokens), "
         f"**{ex['prompt']}** → {json.dumps(ex['text'])}"
         + (" (the same as transformers)." if r["samples"].get(ex["prompt"], "").endswith(ex["text"]) else ".")
         if ex
@@ -104,16 +107,24 @@ def write_readme(record: dict, path: Path) -> None:
         if moe
         else ""
     )
+    f32 = r.get("float32_eval")  # set when the float32 weights were stored in bfloat16 after training
+    fp32 = (
+        f"| held-out perplexity of the float32 weights, before storing them as {r['weights_dtype']} "
+        f"| {f32['eval_ppl']:.3f} |\n"
+        if f32
+        else ""
+    )
     kind = "Qwen3-MoE" if moe else "Qwen3"
     eos = f"`<\\|endoftext\\|>` = id {cfg['eos_token_id']}"  # \| : a pipe inside a markdown table
     text = f"""# Built-in {r["model"]} model: a trained {r["parameters"] / 1e6:.2f}M-parameter {kind}
 
 A small model trained from scratch on English prose (the Python 3.11 documentation) by
 `tools/train_builtin.py`, shipped in HuggingFace format and loaded by the same loader as any
-user checkpoint:
+user checkpoint. It is the default of the recipe (`models/{r["model"]}/config/builtin.yaml`:
+`model_path: "builtin"`, `with_ckpt: true`):
 
 ```bash
-bash infer.sh{flag} --set model_config.model_path=models/{r["model"]}/builtin --set model_config.with_ckpt=true
+bash infer.sh{flag}
 ```
 
 It continues a prompt with readable, if not always sensible, English in the register of
@@ -123,7 +134,7 @@ software documentation. It is for demos and for checking the executor against tr
 | file | what |
 |---|---|
 | `config.json`, `generation_config.json` | written by transformers {r["transformers"]} `save_pretrained` |
-| `model.safetensors` | float32 weights, {r["weights_bytes"] / 1e6:.1f} MB |
+| `model.safetensors` | {r.get("weights_dtype", "float32")} weights (trained in float32), {r["weights_bytes"] / 1e6:.1f} MB |
 | `tokenizer.json`, `tokenizer_config.json` | byte-level BPE, {cfg["vocab_size"]} tokens, {eos} |
 | `eval.txt` | the held-out text ({c["eval_chars"]:,} characters, {r["eval_tokens"]:,} tokens), never trained on |
 | `loss_curve.png`, `train_log.json` | losses per step and every number in this README |
@@ -191,8 +202,8 @@ threads), {r["total_minutes"]:.1f} min in all (corpus, tokenizer, evaluations, s
 | final training loss (mean of the last 20 steps) | {r["final_train_loss"]:.4f} |
 | held-out loss (eval.txt) | {r["eval_loss"]:.4f} nats/token |
 | held-out perplexity | {r["eval_ppl"]:.3f} |
-
-**Perplexity method** (the saved checkpoint, loaded by transformers in float32, eager attention):
+{fp32}
+**Perplexity method** (the checkpoint as saved, loaded by transformers in float32, eager attention):
 `ids = tokenizer.encode(open("eval.txt").read())` with this directory's `tokenizer.json`, no
 special tokens ({r["eval_tokens"]:,} ids); consecutive non-overlapping windows of 256 ids
 (`ids[0:256]`, `ids[256:512]`, ..., the last one shorter), each scored alone from an empty
@@ -207,9 +218,11 @@ Greedy continuations by transformers ({r["sample_tokens"]} new tokens, full reco
 {executor}
 
 ## Determinism
-Same CPU type, thread count and corpus give the same weights: running the script twice with
-`--steps 30` gave identical loss sequences and identical `model.safetensors` (sha256) for both
-built-in models. Another CPU (SIMD width) or thread count gives slightly different floats.
+Everything random is seeded (weights init, data order), `torch.use_deterministic_algorithms(True)`
+is on and the thread count is fixed, so the same CPU type, thread count and corpus give the same
+weights; the step count is fixed, so the result does not depend on how fast the machine is.
+{r.get("determinism_check", "")}
+Another CPU (SIMD width) or thread count may give slightly different floats.
 
 `python tools/builtin_report.py models/{r["model"]}/builtin` rewrites this README and the plot from
 `train_log.json` (and re-runs the executor sample).
