@@ -114,6 +114,7 @@ def write_readme(record: dict, path: Path) -> None:
         if f32
         else ""
     )
+    mb = r["weights_bytes"] / 1e6
     kind = "Qwen3-MoE" if moe else "Qwen3"
     eos = f"`<\\|endoftext\\|>` = id {cfg['eos_token_id']}"  # \| : a pipe inside a markdown table
     text = f"""# Built-in {r["model"]} model: a trained {r["parameters"] / 1e6:.2f}M-parameter {kind}
@@ -134,7 +135,7 @@ software documentation. It is for demos and for checking the executor against tr
 | file | what |
 |---|---|
 | `config.json`, `generation_config.json` | written by transformers {r["transformers"]} `save_pretrained` |
-| `model.safetensors` | {r.get("weights_dtype", "float32")} weights (trained in float32), {r["weights_bytes"] / 1e6:.1f} MB |
+| `model.safetensors` | {r.get("weights_dtype", "float32")} weights (trained in float32), {mb:.1f} MB |
 | `tokenizer.json`, `tokenizer_config.json` | byte-level BPE, {cfg["vocab_size"]} tokens, {eos} |
 | `eval.txt` | the held-out text ({c["eval_chars"]:,} characters, {r["eval_tokens"]:,} tokens), never trained on |
 | `loss_curve.png`, `train_log.json` | losses per step and every number in this README |
