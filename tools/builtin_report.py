@@ -128,9 +128,9 @@ user checkpoint. It is the default of the recipe (`models/{r["model"]}/config/bu
 bash infer.sh{flag}
 ```
 
-It continues a prompt with readable, if not always sensible, English in the register of
-software documentation. It is for demos and for checking the executor against transformers
-(held-out perplexity); it knows nothing beyond its corpus.
+It continues a prompt with short English sentences in the register of software documentation,
+and then, decoding greedily, repeats itself: a model trained for minutes, for demos and for
+checking the executor against transformers (held-out perplexity), not for content.
 
 | file | what |
 |---|---|
@@ -192,8 +192,10 @@ embedding counted once).
   visits the non-overlapping windows in a seeded order.
 - AdamW (betas 0.9/0.95, weight decay {rec["weight_decay"]} on matrices), peak lr {rec["lr"]}, {rec["warmup"]}
   warmup steps then cosine to 10%, gradient norm clipped at 1.0.{aux}
-- Wall time: {r["train_minutes"]:.1f} min of training ({r["train_cpu_minutes"]:.1f} CPU-minutes over {r["threads"]} \
-threads), {r["total_minutes"]:.1f} min in all (corpus, tokenizer, evaluations, saving). {shared}
+- Wall time: {r["train_minutes"]:.1f} min of training ({r["train_cpu_minutes"]:.1f} CPU-minutes, \
+{r["threads"]} thread{"s" if r["threads"] > 1 else ""}), {r["total_minutes"]:.1f} min in all (corpus, tokenizer, \
+evaluations, saving). {shared}
+{r.get("note", "")}
 {early}
 ![loss curve](loss_curve.png)
 

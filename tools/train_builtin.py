@@ -42,7 +42,8 @@ from tools.builtin_corpus import DEFAULT_CACHE, PACKAGE_VERSION, Corpus, CorpusE
 VOCAB_SIZE = 4096  # byte-level BPE: ~4 characters per token on this corpus, embeddings ~1M parameters
 EOS_ID = VOCAB_SIZE - 1  # train_builtin_tokenizer puts <|endoftext|> last
 EVAL_WINDOW = 256  # perplexity windows = the training sequence length (see eval_nll)
-SAMPLE_PROMPTS = ("The weather today is", "Python is a programming language that", "The best way to learn is")
+# The first two are the recipes' default prompts (config/builtin.yaml); the third is out of domain.
+SAMPLE_PROMPTS = ("The function returns", "Python is a programming language that", "The weather today is")
 SAMPLE_TOKENS = 32  # greedy new tokens per sample, as `bash infer.sh` generates by default
 STORE_DTYPE = torch.bfloat16  # checkpoint dtype: keeps the model directories at a few MB
 
