@@ -75,13 +75,14 @@ COMMANDS = {
     "run": (cmd_run, "run a recipe (what infer.sh does)"),
     "compare": ("tools.sk_compare", "baseline vs SuperKernel measurement and report"),
     "search": ("tools.scope_search", "find the fastest accurate SuperKernel plan"),
+    "accuracy": ("tools.accuracy", "the configured run against the eager float32 reference (cosine, PPL, audit)"),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
-        print("usage: cann-recipes-infer {run,compare,search} [--help] ...\n\ncommands:")
+        print("usage: cann-recipes-infer {run,compare,search,accuracy} [--help] ...\n\ncommands:")
         for name, (_, help_text) in COMMANDS.items():
             print(f"  {name:8s} {help_text}")
         return 0
