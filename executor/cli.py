@@ -1,4 +1,4 @@
-"""Command line: `cann-recipes-infer [run|compare|search] ...` (infer.sh calls `run`).
+"""Command line: `cann-recipes-infer [run|compare|search|ge-check] ...` (infer.sh calls `run`).
 
 Every known failure (bad config, missing checkpoint, impossible platform request: a
 executor.errors.RecipeError) prints one line `error: ...` and exits with code 2; anything else
@@ -75,6 +75,7 @@ COMMANDS = {
     "run": (cmd_run, "run a recipe (what infer.sh does)"),
     "compare": ("tools.sk_compare", "baseline vs SuperKernel measurement and report"),
     "search": ("tools.scope_search", "find the fastest accurate SuperKernel plan"),
+    "ge-check": ("tools.ge_check", "convert the decode graph to GE on CPU (torchair), list GE ops per scope"),
     "accuracy": ("tools.accuracy", "the configured run against the eager float32 reference (cosine, PPL, audit)"),
 }
 
@@ -82,7 +83,7 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
-        print("usage: cann-recipes-infer {run,compare,search,accuracy} [--help] ...\n\ncommands:")
+        print(f"usage: cann-recipes-infer {{{','.join(COMMANDS)}}} [--help] ...\n\ncommands:")
         for name, (_, help_text) in COMMANDS.items():
             print(f"  {name:8s} {help_text}")
         return 0
