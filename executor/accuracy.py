@@ -279,7 +279,7 @@ def audit(cand: ModelRunner, active_table: str) -> list[dict]:
             )
         items.append({"check": f"scope {label}", "status": status, "detail": detail})
     dtype = next(cand.model.parameters()).dtype
-    want = DTYPES[cand.cfg.model_config.dtype]
+    want = DTYPES[cand.dtype_name]  # the resolved dtype (the config may say auto)
     items.append(
         {"check": "dtype", "status": "PASS" if dtype == want else "FAIL", "detail": f"requested {want}, ran {dtype}"}
     )

@@ -100,7 +100,7 @@ def evaluate(st: ToolStart, args: argparse.Namespace, text: str, progress: Progr
     ref = st.runner(accuracy.reference_config(cfg), st.platform, None, io.StringIO())
     accuracy.use_reference_ops(ref)
     mc = cfg.model_config
-    progress(f"building the candidate: {mc.exe_mode}, {mc.dtype}, plan {ref_plan(cfg)} ...")
+    progress(f"building the candidate: {mc.exe_mode}, dtype {mc.dtype}, plan {ref_plan(cfg)} ...")
     cand = st.runner(cfg, st.platform, None, io.StringIO())
     if args.ops:
         cand.backend.op_table = args.ops
@@ -139,7 +139,7 @@ def evaluate(st: ToolStart, args: argparse.Namespace, text: str, progress: Progr
         if not abs(diff) < args.ppl_max_diff / 100:
             reasons.append(f"{name} PPL differs by {100 * diff:+.2f}% (limit {args.ppl_max_diff:g}%)")
     reasons += [f"audit {i['check']}: {i['detail']}" for i in items if i["status"] != "PASS"]
-    ran = {"exe_mode": mc.exe_mode, "dtype": mc.dtype, "plan": cand.plan.name}
+    ran = {"exe_mode": mc.exe_mode, "dtype": cand.dtype_name, "plan": cand.plan.name}
     ran |= {"op_table": cand.context.op_table, "backend": cand.backend.name}
     return {
         "passed": not reasons,
