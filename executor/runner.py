@@ -84,7 +84,6 @@ class ModelRunner:
         self.name = mc.model_name
         self.dtype_name = resolve_dtype(mc.dtype, platform)  # first: float32 on NPU stops before anything is read
         self.dtype = DTYPES[self.dtype_name]
-        self.device = torch.device(platform.kind)
         # config.json, recipe match, scope plan, memory estimate, compile cache: before anything is allocated
         pre = preflight.check(self, cfg, platform, self.dtype)
         self.model_path, self.arch, self.plan, self.memory = pre.model_path, pre.arch, pre.plan, pre.memory
@@ -97,6 +96,8 @@ class ModelRunner:
             load_weights(self.model, self.model_path, self.dtype, self.remap_weights)
         else:
             init_random(self.model, mc.seed)
+        # Only now: on Ascend "npu" names a device once the backend has imported torch_npu.
+        self.device = torch.device(platform.kind)
         self.model.to(self.device).eval()
         self.tokenizer = Tokenizer.from_file(self._tokenizer_path())
         preflight.check_vocab(self.arch, self.tokenizer.vocab_size, str(self.tokenizer.path))
