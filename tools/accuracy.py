@@ -57,9 +57,10 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _text(args: argparse.Namespace) -> tuple[Path, str]:
-    path = Path(args.text) if args.text else MODELS_DIR / args.model / "builtin" / "eval.txt"
-    if not args.text and not path.is_file():
+def eval_text(model: str, text: str | None) -> tuple[Path, str]:
+    """The evaluation text `--text` names, or the built-in model's held-out text."""
+    path = Path(text) if text else MODELS_DIR / model / "builtin" / "eval.txt"
+    if not text and not path.is_file():
         raise ConfigError(f"--text: no evaluation text given and {path} (the built-in model's) does not exist")
     text = read_text_file(path, "--text")
     if not text.strip():
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_eval_tokens < 2 or (args.steps is not None and args.steps < 0):
         p.error("--max-eval-tokens must be >= 2 and --steps >= 0")
     st = start(args, "accuracy", owns_superkernel=False)
-    text_path, text = _text(args)
+    text_path, text = eval_text(args.model, args.text)
     if args.ops and args.ops not in ops.registered():
         raise ConfigError(f"--ops {args.ops}: not a registered op table; registered: {', '.join(ops.registered())}")
     now = datetime.datetime.now()
