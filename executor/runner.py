@@ -17,12 +17,13 @@ scope implementation, compile cache), entered here and restored afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import resource
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -40,7 +41,7 @@ from executor.kv_cache import KVCache
 from executor.loader import init_random, load_weights
 from executor.paths import results_dir
 from executor.platform import Platform, software_versions, timer
-from executor.scope import PREFILL_SCOPES, ScopeRunner
+from executor.scope import NO_PLAN, ScopeRunner
 from executor.tokenizer import BUILTIN_TOKENIZER, Tokenizer, TokenizerError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -101,6 +102,7 @@ class ModelRunner:
         self.tokenizer = Tokenizer.from_file(self._tokenizer_path())
         preflight.check_vocab(self.arch, self.tokenizer.vocab_size, str(self.tokenizer.path))
         self.decode_scopes = ScopeRunner(self.plan, active=True)
+        self.prefill_scopes = ScopeRunner(NO_PLAN, active=False)  # prefill never runs in a scope
         self.cache: KVCache | None = None
         self.truncation: list[dict] = []  # per row: prompt tokens given and kept, set by encode_prompts
         self.now = timer(platform)
@@ -198,7 +200,7 @@ class ModelRunner:
         return [*groups, (start, len(prompt_ids))]
 
     def _prefill_rows(
-        self, prompt_ids: list[list[int]], start: int, stop: int, scopes: ScopeRunner = PREFILL_SCOPES
+        self, prompt_ids: list[list[int]], start: int, stop: int, scopes: ScopeRunner | None = None
     ) -> torch.Tensor:
         """Prefill rows [start, stop); `scopes` is replaced only by the NaN locator's region tracker."""
         rows = prompt_ids[start:stop]
@@ -207,14 +209,21 @@ class ModelRunner:
         for i, p in enumerate(rows):
             ids[i, : len(p)] = torch.tensor(p)
         positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
-        hidden = self.model(ids, positions, self.cache.rows(start, stop), scopes)
+        hidden = self.model(ids, positions, self.cache.rows(start, stop), scopes or self.prefill_scopes)
         return self.model.logits(hidden[torch.arange(len(rows)), lengths - 1])  # (b, V)
 
     def decode_one(self, token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One compiled decode step: (B, 1) tokens at (B, 1) positions -> (B, V) logits."""
         return self.step(token, positions)
 
-    @torch.no_grad()
+    @contextlib.contextmanager
+    def session(self, batch: int) -> Iterator[None]:
+        """Where prefill / decode_one may be called: no autograd, the run's execution context
+        active, the KV cache sized for `batch` rows and the decode step compiled (on first use)."""
+        with torch.no_grad(), self.context.active():
+            self.prepare(batch)
+            yield
+
     def generate(
         self,
         prompt_ids: list[list[int]],
@@ -226,8 +235,7 @@ class ModelRunner:
         if max_new_tokens > self.cfg.scheduler_config.max_new_tokens:
             raise ValueError(f"max_new_tokens {max_new_tokens} exceeds scheduler_config.max_new_tokens")
         b = len(prompt_ids)
-        with self.context.active():
-            self.prepare(b)
+        with self.session(b):
             pre = self.prefill(prompt_ids)
             self.check_finite(
                 pre.logits,
