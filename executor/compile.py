@@ -15,6 +15,7 @@ the platform's op table cannot run is refused, before anything is built or loade
 
 from __future__ import annotations
 
+from executor import custom_ops
 from executor.backends.base import Backend, DecodeSpec, EagerBackend, UnsupportedError
 from executor.platform import Platform
 
@@ -44,7 +45,7 @@ def select_backend(spec: DecodeSpec, platform: Platform) -> Backend:
 
         return npu.select_backend(spec)
     if mc.exe_mode == "eager":
-        return EagerBackend()
+        return EagerBackend(custom_ops.layer("reference", mc.custom_ops, custom_ops.installer(platform.kind)))
     if mc.exe_mode == "npugraph_ex":
         raise UnsupportedError(
             f"exe_mode npugraph_ex needs an Ascend NPU with torch_npu; this machine is "
