@@ -22,6 +22,7 @@ process.
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import torch
@@ -42,32 +43,34 @@ def kv_lengths(mask: torch.Tensor) -> torch.Tensor:
     return ((~mask).long() * slots).amax(dim=(1, 2, 3))
 
 
+def fused_attention(tnpu, q, k_cache, v_cache, mask, scale):
+    """The PrivateUse1 kernel (eager on NPU): torch_npu's FusedInferAttentionScore told the valid lengths.
+
+    Layout BNSD is the contract's (B, H, S|T, D); FIA takes contiguous inputs only (a no-op in decode)."""
+    out, _lse = tnpu.npu_fused_infer_attention_score(
+        q.contiguous(),
+        k_cache.contiguous(),
+        v_cache.contiguous(),
+        atten_mask=mask,
+        actual_seq_lengths_kv=kv_lengths(mask).tolist(),  # host ints: the eager binding's SymInt[]
+        num_heads=q.shape[1],
+        num_key_value_heads=k_cache.shape[1],
+        input_layout="BNSD",
+        scale=scale,
+        sparse_mode=0,
+        pre_tokens=INT32_MAX,
+        next_tokens=INT32_MAX,
+    )
+    return out  # the second output (lse) is undefined without softmax_lse_flag: never read
+
+
 def register(tnpu, torchair) -> None:
     """Register the PrivateUse1 kernel and the torchair GE converter of cann::decode_attention (once)."""
     if _registered:
         return
     importlib.import_module("executor.custom_ops.decode_attention")  # defines the schema and fake impl
-
-    def decode_attention_npu(q, k_cache, v_cache, mask, scale):
-        # layout BNSD = the contract's (B, H, S|T, D); FIA takes contiguous inputs only (a no-op in decode)
-        out, _lse = tnpu.npu_fused_infer_attention_score(
-            q.contiguous(),
-            k_cache.contiguous(),
-            v_cache.contiguous(),
-            atten_mask=mask,
-            actual_seq_lengths_kv=kv_lengths(mask).tolist(),  # host ints: the eager binding's SymInt[]
-            num_heads=q.shape[1],
-            num_key_value_heads=k_cache.shape[1],
-            input_layout="BNSD",
-            scale=scale,
-            sparse_mode=0,
-            pre_tokens=INT32_MAX,
-            next_tokens=INT32_MAX,
-        )
-        return out
-
     lib = torch.library.Library("cann", "FRAGMENT")
-    lib.impl("decode_attention", decode_attention_npu, "PrivateUse1")
+    lib.impl("decode_attention", functools.partial(fused_attention, tnpu), "PrivateUse1")
     _register_converter(torchair)
     _registered.append(lib)
 
