@@ -12,15 +12,16 @@ Two tables (CPU: portable measurements, not Ascend results):
   exe_mode, with and without the custom op. The cache is filled with random values instead of
   running a --position-token prefill (the step's cost does not depend on the values); each row's
   logits are compared with the same mode without the op (cosine).
+Timing: every configuration takes turns in each round; the best round is kept (on a shared
+machine noise only adds time).
 
   python benchmarks/attention_bench.py
-  python benchmarks/attention_bench.py --size bench-overhead --lengths 2048,16384 --modes ge_graph,decoder
+  python benchmarks/attention_bench.py --size bench-overhead --lengths 2048,16384 --modes ge_graph,decoder --threads 1
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -49,36 +50,48 @@ MODES = {  # name -> overrides (on the recipe's builtin.yaml, which ships ge_gra
 }
 
 
-def best_ms(fn, repeats: int, rounds: int = 5) -> float:
-    """Median over `rounds` of the mean of `repeats` calls (ms): robust to a noisy shared machine."""
-    fn()
-    samples = []
-    for _ in range(rounds):
+def interleaved_ms(fns: dict, rounds: int, budget_s: float = 0.05) -> dict:
+    """ms per call of each function: the best over `rounds` of the mean over a batch of calls
+    (sized to take ~budget_s), the functions taking turns within every round.
+
+    Why: on a shared machine (other processes on the same cores) noise only ever adds time and
+    drifts over minutes. Taking turns exposes every function to the same drift, and the minimum
+    over rounds estimates the uncontended cost."""
+    reps = {}
+    for key, fn in fns.items():
+        fn()  # warm-up (first call of a compiled step, caches, allocator)
         t0 = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        samples.append((time.perf_counter() - t0) / repeats * 1e3)
-    return statistics.median(samples)
+        fn()
+        reps[key] = max(1, int(budget_s / max(time.perf_counter() - t0, 1e-6)))
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(reps[key]):
+                fn()
+            best[key] = min(best[key], (time.perf_counter() - t0) / reps[key] * 1e3)
+    return best
 
 
-def op_table(lengths: list[int], position: int, dtype: torch.dtype, repeats: int) -> list[tuple]:
+def op_table(lengths: list[int], position: int, dtype: torch.dtype, rounds: int) -> list[tuple]:
     custom_ops.cpu_kernel(custom_ops.load("decode_attention"))
     g = torch.Generator().manual_seed(0)
-    rows = []
+    fns, diffs = {}, {}
     for t in lengths:
         q = torch.randn(1, OP_SHAPE["hq"], 1, OP_SHAPE["d"], generator=g).to(dtype)
         k, v = (torch.randn(1, OP_SHAPE["hkv"], t, OP_SHAPE["d"], generator=g).to(dtype) for _ in range(2))
         mask = torch.arange(t).view(1, 1, 1, t) > position
         args = (q, k, v, mask, 0.088)
-        ref = best_ms(lambda args=args: reference.attention(*args), repeats)
-        ours = best_ms(lambda args=args: torch.ops.cann.decode_attention(*args), repeats)
-        diff = torch.ops.cann.decode_attention(*args).float() - reference.attention(*args).float()
-        rows.append((t, ref, ours, diff.abs().max().item()))
-        print(f"  measured op at T={t}", flush=True)
-    return rows
+        fns[(t, "reference")] = lambda args=args: reference.attention(*args)
+        fns[(t, "custom")] = lambda args=args: torch.ops.cann.decode_attention(*args)
+        diffs[t] = (fns[(t, "custom")]().float() - fns[(t, "reference")]().float()).abs().max().item()
+    ms = interleaved_ms(fns, rounds)
+    return [(t, ms[(t, "reference")], ms[(t, "custom")], diffs[t]) for t in lengths]
 
 
-def step_ms(recipe: str, size: str, mode: str, custom: bool, t: int, position: int, steps: int):
+def build_step(recipe: str, size: str, mode: str, custom: bool, t: int, position: int):
+    """A compiled decode step of the recipe at `position` with a static cache of `t` slots filled
+    with random values; returns (call, first logits, KV-cache bytes, arch)."""
     overrides = [
         *MODES[mode],
         f"model_config.debug_size={size}",
@@ -91,15 +104,17 @@ def step_ms(recipe: str, size: str, mode: str, custom: bool, t: int, position: i
     ]
     runner = runner_class(recipe)(load_config(default_config(recipe), overrides), detect("cpu"), None)
     ids, pos = torch.tensor([[7]]), torch.tensor([[position]])
+
+    def call() -> torch.Tensor:
+        with torch.no_grad(), runner.context.active():  # eager reads the op table at call time
+            return runner.decode_one(ids, pos)
+
     with torch.no_grad(), runner.context.active():
         runner.prepare(1)
         g = torch.Generator().manual_seed(1)
         for cache in runner.cache.k + runner.cache.v:
             cache.copy_(torch.randn(cache.shape, generator=g).to(cache.dtype))
-        logits = runner.decode_one(ids, pos)  # compiles
-        ms = best_ms(lambda: runner.decode_one(ids, pos), steps)
-    kv = runner.cache.nbytes()
-    return ms, logits, kv, runner.arch
+    return call, call(), runner.cache.nbytes(), runner.arch
 
 
 def main(argv=None) -> int:
@@ -109,7 +124,7 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", default="2048,16384", help="static KV-cache lengths (max_len) to compare")
     p.add_argument("--position", type=int, default=2047, help="decode position (valid slots = position + 1)")
     p.add_argument("--modes", default="eager,ge_graph,decoder", help=f"comma list of {', '.join(MODES)}")
-    p.add_argument("--steps", type=int, default=20, help="calls per timing round (median of 5 rounds)")
+    p.add_argument("--rounds", type=int, default=7, help="timing rounds (each config timed once per round; best kept)")
     p.add_argument("--no-op-table", action="store_true", help="skip the single-layer op table")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     args = p.parse_args(argv)
@@ -125,7 +140,7 @@ def main(argv=None) -> int:
     )
     if not args.no_op_table:
         for dtype in (torch.float32, torch.bfloat16):
-            rows = op_table(lengths, args.position, dtype, args.steps)
+            rows = op_table(lengths, args.position, dtype, args.rounds)
             print(f"\n## op: one Qwen3-8B attention layer (32/8 heads, D 128), batch 1, {str(dtype)[6:]}")
             print("| cache slots (max_len) | masked reference ms | decode_attention ms | speed-up | max abs diff |")
             print("|---|---|---|---|---|")
@@ -133,12 +148,14 @@ def main(argv=None) -> int:
                 print(f"| {t} | {ref:.3f} | {ours:.3f} | {ref / ours:.1f}x | {diff:.1e} |")
             base = rows[0][2]
             print(f"decode_attention at {lengths[-1]} / at {lengths[0]} slots: {rows[-1][2] / base:.2f}x")
-    results = {}
+    built = {}
     for mode in args.modes.split(","):
         for custom in (False, True):
             for t in lengths:
-                results[(mode, custom, t)] = step_ms(args.model, args.size, mode, custom, t, args.position, args.steps)
-                print(f"  measured step {mode} custom_ops={custom} T={t}", flush=True)
+                built[(mode, custom, t)] = build_step(args.model, args.size, mode, custom, t, args.position)
+                print(f"  compiled step {mode} custom_ops={custom} T={t}", flush=True)
+    timed = interleaved_ms({key: b[0] for key, b in built.items()}, args.rounds)
+    results = {key: (timed[key], *b[1:]) for key, b in built.items()}
     arch = next(iter(results.values()))[3]
     print(f"\n## step: recipe {args.model}, size {args.size} ({arch.num_layers} layers), batch 1, fp32")
     print("| exe_mode | custom_ops | max_len | decode ms/step | vs same max_len without | max_len ratio | cosine |")
