@@ -128,6 +128,11 @@ def test_the_models_real_opportunities_with_their_lines(cli_run):
     assert [model_line(s).strip() for s in add["where"]] == ["h = h + self.mlp(x)"]
     (qk,) = [o for o in by_kind["custom op"] if "q/k RMSNorm" in o["what"]]
     assert any("rotary_mul" in model_line(s) for s in qk["where"])
+    (cache,) = by_kind["graph"]  # the KV-cache scatter_: a whole-cache copy per layer in graph mode
+    assert "4 in-place writes" in cache["what"] and "aten.scatter.src" in cache["what"]
+    assert [model_line(s).strip() for s in cache["where"]] == [
+        "k_all, v_all = ctx.cache.update(self.layer, k, v.transpose(1, 2), ctx.positions)"
+    ]
     (dtype,) = by_kind["dtype"]
     functions = {re.search(r"def (\w+)", _function_of(s)).group(1) for s in dtype["where"]}
     assert functions == {"rope_cos_sin", "logits"}  # fp32 RoPE tables and the fp32 logits cast

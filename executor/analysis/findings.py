@@ -11,6 +11,8 @@ here). Opportunities, each with an estimated saving per decode step from the mea
   rotary, gating top-k) but do not go through its executor.ops entry;
 - q/k RMSNorm feeding rotary (Qwen3): a fused custom op candidate;
 - fp32 ops in a bf16/fp16 run (model code; inside fused ops fp32 is by design);
+- in-place writes into graph inputs (the KV-cache scatter) that graph mode turns into whole-tensor
+  copies per step (estimate: the bytes written and copied back at the measured bandwidth);
 - per-op overhead (measured far above the roofline) -> graph mode / SuperKernel, when not on.
 
 Estimates assume the fused form costs its roofline time; they rank work, they are not promises.
@@ -33,7 +35,7 @@ VIEW_OPS |= {"aten.slice.Tensor", "aten.split_with_sizes.default", "<built-in fu
 
 @dataclass
 class Opportunity:
-    kind: str  # blocker, custom op, fusion, dtype, overhead
+    kind: str  # blocker, custom op, graph, fusion, dtype, overhead
     what: str
     where: list[str]  # model source lines
     saving_ms: float  # per decode step (BLOCKER: stops graph mode)
@@ -189,6 +191,20 @@ def opportunities(
             )
         )
 
+    rewrites = [n for n in nodes if n.rewrites_input]
+    if rewrites:
+        nbytes = sum(n.nbytes for n in rewrites)
+        found.append(
+            Opportunity(
+                "graph",
+                f"{len(rewrites)} in-place writes into graph inputs (the static KV cache) become whole-tensor copies "
+                f"in graph mode ({', '.join(sorted({n.target for n in rewrites}))}: {nbytes / 1e6:.2f} MB per step)",
+                _lines(rewrites),
+                2 * nbytes / (machine.read_gbs * 1e9) * 1e3,  # written by the op, copied back into the input
+                "write the cache with an op graph mode keeps in place (index_put_; on NPU scatter_update_)",
+                {"bytes": nbytes},
+            )
+        )
     found += _fusions(nodes, by_name, calls, t, machine)
     found += _dtype_findings(nodes, calls, machine, run)
     found += _overhead(times, calls, machine, run)

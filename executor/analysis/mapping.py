@@ -39,6 +39,9 @@ NPU_TABLE = {
     "moe_init_routing": ("npu_moe_init_routing", "MoeInitRouting"),
     "grouped_matmul": ("npu_grouped_matmul", "GroupedMatmul"),
 }
+# Out-of-place updates AOT makes of an in-place write into a graph input (the static KV cache): each
+# builds a whole new tensor per step, which is copied back into the input after the graph.
+FUNCTIONAL_UPDATES = {"aten.scatter.src", "aten.scatter.value", "aten.index_copy.default", "aten.slice_scatter.default"}
 COMM_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d")  # collectives in a captured graph
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
 _OPS_INTERFACE = str(REPO_ROOT / "executor" / "ops" / "__init__.py")
@@ -54,6 +57,8 @@ class Node:
     name: str = ""  # FX node name
     inputs: list[str] = field(default_factory=list)  # FX names of the node's tensor inputs
     users: int = 0
+    nbytes: int = 0  # of its output
+    rewrites_input: bool = False  # a functional update (e.g. scatter) of a graph input: a whole new copy
 
 
 @dataclass
@@ -113,6 +118,8 @@ def capture(step: Callable, args: tuple) -> Capture:
                     n.name,
                     [a.name for a in n.all_input_nodes],
                     len(n.users),
+                    value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0,
+                    str(n.target) in FUNCTIONAL_UPDATES and n.all_input_nodes[0].op == "placeholder",
                 )
             )
     return Capture(nodes, len(graphs), breaks)
