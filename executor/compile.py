@@ -7,7 +7,9 @@
 | npugraph_ex | error: needs an Ascend NPU         | npugraph_ex backend; SK post-capture  |
 
 Every backend implements executor.backends.base.Backend. Nothing is downgraded silently: an
-impossible request raises UnsupportedError (exit code 2).
+impossible request raises UnsupportedError (exit code 2). A backend's op table is its own with the
+config's custom ops layered on top (executor.custom_ops.layer; the NPU adapter installs their
+NPU kernels, the others build their CPU kernels).
 
 `resolve_dtype()` is the one place `model_config.dtype: auto` becomes a dtype, and where a dtype
 the platform's op table cannot run is refused, before anything is built or loaded.
