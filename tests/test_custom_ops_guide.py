@@ -12,10 +12,12 @@ converter found the guide's GE converter inside the scope.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 GUIDE = REPO / "docs" / "custom_ops.md"
 BLOCK = re.compile(r"^```(\w+)([^\n]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 MAX_NEW = 4
+ENV = dict(os.environ, PYTHON=sys.executable)  # infer.sh runs $PYTHON: the interpreter running the tests
 
 
 def guide_blocks() -> list[tuple[str, str | None, str]]:
@@ -36,13 +39,16 @@ def guide_blocks() -> list[tuple[str, str | None, str]]:
 
 
 def copy_repository(dest: Path) -> None:
-    """The tracked and untracked-but-not-ignored files (no results, caches or virtualenvs)."""
-    listed = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=REPO,
-        capture_output=True,
-        check=True,
-    ).stdout.split(b"\0")
+    """The tracked and untracked-but-not-ignored files (no results, caches or virtualenvs); outside
+    a git checkout, the source directories."""
+    proc = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO, capture_output=True
+    )
+    if proc.returncode != 0:
+        skip = shutil.ignore_patterns(".git", "__pycache__", "res", ".venv*", "*.egg-info")
+        shutil.copytree(REPO, dest, ignore=skip, dirs_exist_ok=True)
+        return
+    listed = proc.stdout.split(b"\0")
     for name in filter(None, (n.decode() for n in listed)):
         src = REPO / name
         if src.is_file():
@@ -60,8 +66,15 @@ def small(command: str, ckpt: Path, work: Path, index: int) -> list[str]:
             *("--set", f"scheduler_config.max_new_tokens={MAX_NEW}", "--set", "data_config.input_truncated_len=16"),
             *("--set", f"model_config.cache_dir={work / 'compile'}", "--out", str(work / f"run{index}")),
         ]
-    if args[:2] == ["python", "tools/ge_check.py"]:
-        return [*args, "--set", f"model_config.model_path={ckpt}", "--json", str(work / f"run{index}.json")]
+    if args[:2] == ["python", "tools/ge_check.py"]:  # this interpreter, as PYTHON is for infer.sh
+        return [
+            sys.executable,
+            *args[1:],
+            "--set",
+            f"model_config.model_path={ckpt}",
+            "--json",
+            str(work / f"run{index}.json"),
+        ]
     raise AssertionError(f"the guide has a command this test does not know how to run: {command}")
 
 
@@ -79,7 +92,7 @@ def followed(tmp_path_factory, qwen3_ckpt) -> dict:
         elif lang == "bash":
             for line in filter(None, (ln.strip() for ln in body.splitlines())):
                 cmd = small(line, qwen3_ckpt, work, len(runs))
-                proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=900)
+                proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=900, env=ENV)
                 assert proc.returncode == 0, f"{line}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
                 runs.append((line, work / f"run{len(runs)}", proc.stdout))
     control = small(
@@ -89,7 +102,7 @@ def followed(tmp_path_factory, qwen3_ckpt) -> dict:
         work,
         len(runs),
     )
-    proc = subprocess.run(control, cwd=repo, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(control, cwd=repo, capture_output=True, text=True, timeout=900, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {
         "written": written,
