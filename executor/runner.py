@@ -29,8 +29,8 @@ from typing import TextIO
 
 import torch
 
-from executor import logs, ops
-from executor.arch import ArchError, ModelArch, load_arch
+from executor import logs, memory, numerics, ops, preflight
+from executor.arch import ModelArch
 from executor.backends.base import Backend, CompiledStep, DecodeSpec
 from executor.compile import resolve_dtype, select_backend
 from executor.config import ConfigError, RunConfig, to_dict
@@ -40,8 +40,7 @@ from executor.kv_cache import KVCache
 from executor.loader import init_random, load_weights
 from executor.paths import results_dir
 from executor.platform import Platform, software_versions, timer
-from executor.registry import resolve_model_path
-from executor.scope import NO_PLAN, PREFILL_SCOPES, ScopePlan, ScopeRunner, build_plan
+from executor.scope import PREFILL_SCOPES, ScopeRunner
 from executor.tokenizer import BUILTIN_TOKENIZER, Tokenizer, TokenizerError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,7 +67,9 @@ class ModelRunner:
     recipe = "base"
     model_types: tuple[str, ...] = ()
 
-    def build_model(self, arch: ModelArch) -> torch.nn.Module:  # overridden by each recipe
+    def build_model(self, arch: ModelArch) -> torch.nn.Module:
+        """Overridden by each recipe. Must depend on `arch` only: the pre-flight also calls it on
+        an uninitialised runner, under the meta device, for the regions and parameter count."""
         raise NotImplementedError
 
     def remap_weights(self, state: dict) -> dict:
@@ -82,21 +83,11 @@ class ModelRunner:
         self.name = mc.model_name
         self.dtype_name = resolve_dtype(mc.dtype, platform)  # first: float32 on NPU stops before anything is read
         self.dtype = DTYPES[self.dtype_name]
-        self.model_path = resolve_model_path(self.recipe, mc.model_path)
-        self.arch = load_arch(self.model_path, mc.debug_size)
-        if self.model_types and self.arch.model_type not in self.model_types:
-            raise ArchError(
-                f"{self.arch.source}: model_type {self.arch.model_type!r} does not belong to the "
-                f"{self.recipe} recipe (it runs {', '.join(self.model_types)})"
-            )
+        # config.json, recipe match, scope plan, memory estimate, compile cache: before anything is allocated
+        pre = preflight.check(self, cfg, platform, self.dtype)
+        self.model_path, self.arch, self.plan, self.memory = pre.model_path, pre.arch, pre.plan, pre.memory
         torch.manual_seed(mc.seed)
         self.model = self.build_model(self.arch).to(self.dtype)
-        sk = mc.superkernel
-        self.plan: ScopePlan = (
-            build_plan(self.model.regions(), sk.plan, sk.options, sk.custom, mc.model_name)
-            if mc.superkernel_enabled
-            else NO_PLAN
-        )
         # The backend is chosen once the plan is known (the compile cache is keyed on it) and
         # before any weight is read, so an impossible request costs no loading time.
         self.use_backend(select_backend(self.decode_spec(), platform))
@@ -104,9 +95,11 @@ class ModelRunner:
             load_weights(self.model, self.model_path, self.dtype, self.remap_weights)
         else:
             init_random(self.model, mc.seed)
+        # Only now: on Ascend "npu" names a device once the backend has imported torch_npu.
         self.device = torch.device(platform.kind)
         self.model.to(self.device).eval()
         self.tokenizer = Tokenizer.from_file(self._tokenizer_path())
+        preflight.check_vocab(self.arch, self.tokenizer.vocab_size, str(self.tokenizer.path))
         self.decode_scopes = ScopeRunner(self.plan, active=True)
         self.cache: KVCache | None = None
         self.truncation: list[dict] = []  # per row: prompt tokens given and kept, set by encode_prompts
@@ -124,6 +117,13 @@ class ModelRunner:
         return DecodeSpec(
             cfg.model_config, self.arch, self.dtype_name, batch, self.max_len, self.plan, self.platform.device_name
         )
+
+    @classmethod
+    def check_before_run(cls, cfg: RunConfig, platform: Platform) -> preflight.Preflight:
+        """What __init__ checks before allocating, without building anything: the tools ask this
+        for every side before the first run."""
+        runner = cls.__new__(cls)  # build_model uses no state: only a meta-device model is built
+        return preflight.check(runner, cfg, platform, DTYPES[resolve_dtype(cfg.model_config.dtype, platform)])
 
     def use_backend(self, backend: Backend) -> None:
         """Run the decode step with `backend` from now on (compiled on next use): the same model
@@ -197,14 +197,17 @@ class ModelRunner:
             used += len(p)
         return [*groups, (start, len(prompt_ids))]
 
-    def _prefill_rows(self, prompt_ids: list[list[int]], start: int, stop: int) -> torch.Tensor:
+    def _prefill_rows(
+        self, prompt_ids: list[list[int]], start: int, stop: int, scopes: ScopeRunner = PREFILL_SCOPES
+    ) -> torch.Tensor:
+        """Prefill rows [start, stop); `scopes` is replaced only by the NaN locator's region tracker."""
         rows = prompt_ids[start:stop]
         lengths = torch.tensor([len(p) for p in rows], device=self.device)
         ids = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long, device=self.device)  # (b, S) right-padded
         for i, p in enumerate(rows):
             ids[i, : len(p)] = torch.tensor(p)
         positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
-        hidden = self.model(ids, positions, self.cache.rows(start, stop), PREFILL_SCOPES)
+        hidden = self.model(ids, positions, self.cache.rows(start, stop), scopes)
         return self.model.logits(hidden[torch.arange(len(rows)), lengths - 1])  # (b, V)
 
     def decode_one(self, token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -226,6 +229,13 @@ class ModelRunner:
         with self.context.active():
             self.prepare(b)
             pre = self.prefill(prompt_ids)
+            self.check_finite(
+                pre.logits,
+                "prefill",
+                lambda scopes: [
+                    self._prefill_rows(prompt_ids, *rows, scopes) for rows in self._prefill_groups(prompt_ids)
+                ],
+            )
             if on_prefill:
                 on_prefill(pre.ms)
             token = pre.logits.argmax(-1, keepdim=True)  # (B, 1)
@@ -235,6 +245,11 @@ class ModelRunner:
                 t0 = self.now()
                 logits = self.decode_one(token, pos)
                 step_ms.append((self.now() - t0) * 1e3)
+                self.check_finite(
+                    logits,
+                    f"decode step {i + 1}",
+                    lambda scopes, token=token, pos=pos: self.model(token, pos, self.cache, scopes),
+                )
                 token = logits.argmax(-1, keepdim=True)
                 out.append(token)
                 pos += 1
@@ -242,6 +257,20 @@ class ModelRunner:
                     on_step(i, step_ms[-1])
         tokens = torch.cat(out, dim=1).tolist()
         return Generation(prompt_ids, tokens, pre.ms, step_ms, pre.logits, logits)
+
+    def check_finite(self, logits: torch.Tensor, step: str, rerun: Callable[[numerics.RegionTracker], object]) -> None:
+        """Stop at the first step whose (B, V) logits hold NaN or inf, naming the step and the
+        region where it first appeared (found by re-running the step eagerly with `rerun`)."""
+        row = numerics.first_bad_row(logits)
+        if row is None:
+            return
+        mc = self.cfg.model_config
+        where = numerics.locate(rerun)
+        weights = f"checkpoint {self.model_path}" if mc.with_ckpt else f"random weights (seed {mc.seed})"
+        raise numerics.NonFiniteError(
+            f"{numerics.kind_of(logits[row])} in the logits at {step}, row {row}: {where}; "
+            f"weights: {weights}, dtype {mc.dtype}"
+        )
 
     def encode_prompts(self) -> list[list[int]]:
         """Token ids per row, each cut to its last `input_truncated_len` tokens; a cut is logged
@@ -263,6 +292,7 @@ class ModelRunner:
     def run(self) -> dict:
         sc, mc = self.cfg.scheduler_config, self.cfg.model_config
         prompt_ids = self.encode_prompts()
+        self.log(self.memory.describe())
         self.log(
             f"[run] {mc.model_name}: {self.arch.model_type} from {self.arch.source}, "
             f"{'checkpoint' if mc.with_ckpt else 'random'} weights, {self.dtype_name}, "
@@ -319,6 +349,7 @@ class ModelRunner:
             if self.platform.kind == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         )
+        measured, measured_by = memory.measured_peak(self.platform.kind)
         ran = bool(report.superkernel_ran) and mc.superkernel_enabled
         return {
             "model_name": mc.model_name,
@@ -352,6 +383,7 @@ class ModelRunner:
             "decode_ms_average": logs.decode_average_ms(gen.decode_ms) if gen.decode_ms else None,
             "tokens_per_s": tps,
             "peak_memory_mb": round(peak, 1),
+            "memory": self.memory.to_metrics(measured, measured_by),  # estimate (checked before allocating) vs peak
             "prompt_token_ids": gen.prompt_ids,
             "prompt_truncation": self.truncation,  # tokens given / kept per row (data_config.input_truncated_len)
             "generated_token_ids": gen.token_ids,

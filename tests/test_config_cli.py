@@ -274,6 +274,8 @@ def test_default_infer_sh_log_format_and_metrics(tmp_path):
     assert m["decode_ms_median"] == statistics.median(m["decode_ms"])
     assert m["tokens_per_s"] == pytest.approx(3 / (sum(m["decode_ms"]) / 1e3))
     assert m["prefill_ms"] > 0 and m["peak_memory_mb"] > 0
+    mem = m["memory"]  # the estimate made before allocating, within a sane factor of the measured peak
+    assert mem["checked"] and 0.5 <= mem["estimate_mb"]["peak"] / mem["measured_peak_mb"] <= 2.0, mem
     assert len(m["generated_token_ids"]) == 1 and len(m["generated_token_ids"][0]) == 4
     assert isinstance(m["text"], list) and isinstance(m["text"][0], str)
     assert (out / "infer.log").read_text().splitlines()[: len(lines)] == lines
