@@ -6,6 +6,8 @@ op is compiled inside a scope and called from Inductor's C++ wrapper), and if th
 (a table that quietly kept the masked reference would pass a parity test too): the torch profiler
 must see one `cann::decode_attention` call per layer per decode step. Two prompts of different
 lengths make the rows' valid KV lengths differ. Each configuration is compiled once per module.
+The MoE recipe (qwen3_moe against HF's Qwen3-MoE) adds the plans only it has: `moe`, and a custom
+scope over one layer's attention and MoE.
 """
 
 from __future__ import annotations
@@ -106,3 +108,50 @@ def test_op_table_metrics_and_compile_key_name_the_custom_op(run):
         assert compile_info["cache_key"]["op_table"]["attention"] == metrics["ops"]["attention"]
     if run["name"].startswith("sk_"):
         assert metrics["superkernel"]["ran"] is True
+
+
+# --------------------------------------------------------------------------- the MoE recipe
+MOE_PLANS = ["moe", "custom"]  # the plan only a MoE model has; a custom scope mixing attention and MoE
+MOE_CUSTOM = "model_config.superkernel.custom=[{regions: [layer_0_attn, layer_0_moe], label: attn_moe}]"
+
+
+@pytest.fixture(scope="module")
+def moe_ckpt(tmp_path_factory):
+    """Two layers: layer 0 MoE, layer 1 dense, so the `moe` plan scopes one region and leaves one out."""
+    return ckpt.make_qwen3_moe_checkpoint(tmp_path_factory.mktemp("moe"), num_hidden_layers=2, mlp_only_layers=[1])
+
+
+@pytest.mark.parametrize("plan", MOE_PLANS)
+@torch.no_grad()
+def test_qwen3_moe_with_the_custom_op_matches_hf_in_its_moe_plans(moe_ckpt, plan):
+    from executor.config import load_config
+    from executor.platform import detect
+    from executor.registry import default_config
+    from models.qwen3_moe.models.runner_qwen3_moe import Qwen3MoeRunner
+
+    overrides = [
+        f"model_config.model_path={moe_ckpt}",
+        "model_config.with_ckpt=true",
+        f"scheduler_config.max_new_tokens={MAX_NEW}",
+        "data_config.input_truncated_len=24",
+        "model_config.enable_cache_compile=false",
+        *BASE,
+        *CUSTOM_OPS,
+        *SK,
+        f"model_config.superkernel.plan={plan}",
+        *([MOE_CUSTOM] if plan == "custom" else []),
+    ]
+    runner = Qwen3MoeRunner(load_config(default_config("qwen3_moe"), overrides), detect("cpu"), stream=io.StringIO())
+    metrics = runner.run()
+    assert metrics["superkernel"]["ran"] is True and metrics["compile"]["graphs"] == 1
+    assert metrics["ops"]["attention"] == "executor.custom_ops.decode_attention.attention"
+    prompt_ids = runner.encode_prompts()
+    with torch.profiler.profile() as prof:
+        gen = runner.generate(prompt_ids, MAX_NEW)
+    calls = sum(1 for e in prof.events() if e.name == "cann::decode_attention")
+    assert calls == len(runner.model.layers) * (MAX_NEW - 1)
+    hf = ckpt.load_reference(moe_ckpt)
+    for row, (prompt, tokens) in enumerate(zip(prompt_ids, gen.token_ids)):
+        assert tokens == ckpt.reference_greedy(hf, prompt, MAX_NEW), plan
+        theirs = hf(input_ids=torch.tensor([prompt + tokens[:-1]]), use_cache=False).logits[0, -1].float()
+        assert (gen.last_logits[row] - theirs).abs().max().item() < 1e-4, plan
