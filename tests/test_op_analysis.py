@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from executor import cli
 from executor.analysis import roofline
 from executor.analysis.analyze import analyze
 from executor.analysis.trace import OpRecorder, RegionMarker, footprint, profile_times
@@ -216,3 +217,18 @@ def test_bad_input_is_exit_2_and_one_line(capsys, tmp_path):
     assert run_command(op_analysis.main, ["--set", "model_config.custom_ops=[nope]", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "'nope' is not a custom op; available: decode_attention" in err
+
+
+def test_cli_analyze_help_and_bad_input(capsys):
+    """`cann-recipes-infer analyze` is the tool: listed by --help, its own --help, exit 2 on bad input."""
+    assert cli.main(["--help"]) == 0
+    assert re.search(r"^  analyze +where decode time goes", capsys.readouterr().out, re.M)
+    with pytest.raises(SystemExit) as done:  # argparse's --help
+        cli.main(["analyze", "--help"])
+    own = capsys.readouterr().out
+    assert done.value.code == 0 and own.startswith("usage: ")
+    for option in ("--model", "--config", "--set", "--steps", "--out", "--no-ge", "op_analysis.png", "exit codes"):
+        assert option in own, option
+    assert cli.main(["analyze", "--config", "/nonexistent/recipe.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "/nonexistent/recipe.yaml" in err
