@@ -29,6 +29,7 @@ from executor.backends.base import UnsupportedError
 from executor.config import load_config
 from executor.errors import RecipeError
 from executor.ops import reference
+from executor.platform import Platform, detect
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -159,10 +160,13 @@ def test_no_cuda_kernel_is_refused_naming_the_op():
         custom_ops.layer("reference", ["decode_attention"], custom_ops.installer("cuda"))
 
 
-def test_no_compiler_is_one_line_naming_the_op_and_the_compiler(tmp_path, qwen3_ckpt):
-    """A fresh kernel cache and CXX pointing at nothing: the run stops before loading weights."""
+@pytest.mark.parametrize("command", ["run", "compare"])
+def test_no_compiler_is_one_line_naming_the_op_and_the_compiler(tmp_path, qwen3_ckpt, command):
+    """A fresh kernel cache and CXX pointing at nothing: the pre-flight stops the run before it
+    builds the model, and sk_compare before its first side runs."""
     env = dict(os.environ, CXX=str(tmp_path / "no" / "g++"), CANN_RECIPES_EXTENSIONS_DIR=str(tmp_path / "ext"))
-    cmd = [sys.executable, "-m", "executor.cli", "run", "--out", str(tmp_path / "out")]
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "executor.cli", command, "--out", str(out)]
     cmd += ["--set", f"model_config.model_path={qwen3_ckpt}", "--set", "model_config.custom_ops=[decode_attention]"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -170,6 +174,24 @@ def test_no_compiler_is_one_line_naming_the_op_and_the_compiler(tmp_path, qwen3_
     assert proc.stderr.startswith("error: custom op cann::decode_attention: its CPU kernel is compiled on first use")
     assert str(tmp_path / "no" / "g++") in proc.stderr and "model_config.custom_ops" in proc.stderr
     assert not list((tmp_path / "ext").glob("*/*.so"))
+    assert not list(out.glob("**/metrics.json")) and not (out / "runs").exists()  # nothing ran (infer.log: the error)
+
+
+def test_preflight_refuses_a_custom_op_the_platform_cannot_run(qwen3_ckpt):
+    """What sk_compare / scope_search ask for every side before the first run: a custom op with no
+    kernel on the device, or not in the NPU exe_mode, stops there (no model, no weights, no build)."""
+    from models.qwen.models.runner_qwen import QwenRunner
+
+    base = [f"model_config.model_path={qwen3_ckpt}", "model_config.custom_ops=[decode_attention]"]
+    cuda = Platform("cuda", None, "a CUDA GPU", "stated by the test")
+    with pytest.raises(RecipeError, match=r"^custom op decode_attention has no cuda kernel \(it has: cpu, npu\)"):
+        QwenRunner.check_before_run(load_config(None, base), cuda)
+    a3 = Platform("npu", "A3", "Ascend910_9392", "stated by the test")
+    ex = load_config(None, [*base, "model_config.exe_mode=npugraph_ex"])
+    with pytest.raises(RecipeError, match=r"decode_attention cannot run in exe_mode npugraph_ex on an NPU"):
+        QwenRunner.check_before_run(ex, a3)
+    assert QwenRunner.check_before_run(load_config(None, base), detect("cpu")).plan.name  # CPU: runnable
+    assert custom_ops.unsupported(custom_ops.load("decode_attention"), "npu", "ge_graph") is None
 
 
 # --------------------------------------------------------------------------- the NPU half, against the doubles

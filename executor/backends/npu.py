@@ -155,18 +155,10 @@ def custom_op_installer(mode: str) -> Callable[[CustomOp], None]:
     process). A mode the module does not list in its MODES is refused, naming the op."""
 
     def install(op: CustomOp) -> None:
-        if not op.npu.startswith("executor.backends."):
-            raise UnsupportedError(
-                f"custom op {op.name} has no NPU implementation (CustomOp.npu names none in executor/backends/)"
-            )
-        module = importlib.import_module(op.npu)
-        if mode not in module.MODES:
-            why = module.WHY_NOT.get(mode, "not supported")
-            raise UnsupportedError(
-                f"custom op {op.name} cannot run in exe_mode {mode} on an NPU ({why}); "
-                f"it runs in: {', '.join(module.MODES)}"
-            )
-        module.register(_torch_npu(), _torchair())
+        why = custom_ops.unsupported(op, "npu", mode)  # the pre-flight asked the same (executor/preflight.py)
+        if why:
+            raise UnsupportedError(why)
+        importlib.import_module(op.npu).register(_torch_npu(), _torchair())
 
     return install
 

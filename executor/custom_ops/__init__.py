@@ -73,10 +73,50 @@ def check(names: Sequence[str], key: str = "model_config.custom_ops") -> None:
         raise CustomOpError(f"{key}: {twice[0]} is listed twice")
 
 
+def unsupported(op: CustomOp, device: str, exe_mode: str) -> str | None:
+    """Why `op` cannot run on `device` ("cpu" | "cuda" | "npu") in `exe_mode`, or None when it can.
+
+    Found from declarations only (nothing built, nothing registered), so the pre-flight can ask
+    before a run allocates anything and the installers give the same one-line answer."""
+    if device == "cpu":
+        return None if op.sources else f"custom op {op.name} has no CPU kernel (no C++ sources declared)"
+    if device == "npu":
+        if not op.npu.startswith("executor.backends."):
+            return f"custom op {op.name} has no NPU implementation (CustomOp.npu names none in executor/backends/)"
+        module = importlib.import_module(op.npu)  # MODES/WHY_NOT only: torch_npu is handed to register() later
+        if exe_mode not in module.MODES:
+            why = module.WHY_NOT.get(exe_mode, "not supported")
+            return (
+                f"custom op {op.name} cannot run in exe_mode {exe_mode} on an NPU ({why}); "
+                f"it runs in: {', '.join(module.MODES)}"
+            )
+        return None
+    return (
+        f"custom op {op.name} has no {device} kernel (it has: "
+        f"{', '.join(d for d, ok in (('cpu', op.sources), ('npu', op.npu)) if ok)}); "
+        "remove it from model_config.custom_ops on this device"
+    )
+
+
+def check_runnable(names: Sequence[str], device: str, exe_mode: str) -> None:
+    """Pre-flight: every op in `names` can be installed on `device` in `exe_mode`; on CPU, a kernel
+    not built yet needs a compiler and ninja here. Nothing is built; errors are one line."""
+    for name in names:
+        op = load(name)
+        why = unsupported(op, device, exe_mode)
+        if why:
+            raise CustomOpError(why)
+        if device == "cpu":
+            from executor.custom_ops._build import check_buildable
+
+            check_buildable(op.qualname, op.library, list(op.sources))
+
+
 def cpu_kernel(op: CustomOp) -> None:
     """Install `op` for a CPU run: build (once per machine) and load its C++ kernel."""
-    if not op.sources:
-        raise CustomOpError(f"custom op {op.name} has no CPU kernel (no C++ sources declared)")
+    why = unsupported(op, "cpu", "")
+    if why:
+        raise CustomOpError(why)
     from executor.custom_ops._build import load_kernel
 
     load_kernel(op.qualname, op.library, list(op.sources))
@@ -86,11 +126,7 @@ def no_kernel(device: str) -> Callable[[CustomOp], None]:
     """Install hook for a device the custom ops have no kernel for: refuse, naming the op."""
 
     def refuse(op: CustomOp) -> None:
-        raise CustomOpError(
-            f"custom op {op.name} has no {device} kernel (it has: "
-            f"{', '.join(d for d, ok in (('cpu', op.sources), ('npu', op.npu)) if ok)}); "
-            "remove it from model_config.custom_ops on this device"
-        )
+        raise CustomOpError(unsupported(op, device, ""))
 
     return refuse
 

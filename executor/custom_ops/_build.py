@@ -84,6 +84,28 @@ def _check_toolchain(op: str) -> None:
         )
 
 
+def _sources(op: str, sources: list[str]) -> list[Path]:
+    """`sources` as paths: file names under executor/custom_ops/csrc/, or absolute paths; all must exist."""
+    paths = [Path(s) if Path(s).is_absolute() else CSRC / s for s in sources]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise KernelBuildError(f"custom op {op}: kernel source {missing[0]} does not exist")
+    return paths
+
+
+def _built(library: str, paths: list[Path]) -> Path:
+    """Where the library built from `paths` is (or will be) kept."""
+    return extensions_dir() / f"{library}-{build_key(library, paths)}" / f"{library}.so"
+
+
+def check_buildable(op: str, library: str, sources: list[str]) -> None:
+    """Pre-flight: the kernel is loaded already, built already, or can be built here (compiler, ninja)."""
+    if library in _loaded:
+        return
+    if not _built(library, _sources(op, sources)).is_file():
+        _check_toolchain(op)
+
+
 def load_kernel(op: str, library: str, sources: list[str]) -> Path:
     """Build (once per machine) and load (once per process) the CPU kernel library of `op`.
 
@@ -91,12 +113,9 @@ def load_kernel(op: str, library: str, sources: list[str]) -> Path:
     library's path. A cached build is loaded without looking for a compiler."""
     if library in _loaded:
         return _loaded[library]
-    paths = [Path(s) if Path(s).is_absolute() else CSRC / s for s in sources]
-    missing = [str(p) for p in paths if not p.is_file()]
-    if missing:
-        raise KernelBuildError(f"custom op {op}: kernel source {missing[0]} does not exist")
-    build_dir = extensions_dir() / f"{library}-{build_key(library, paths)}"
-    built = build_dir / f"{library}.so"
+    paths = _sources(op, sources)
+    built = _built(library, paths)
+    build_dir = built.parent
     if not built.is_file():
         _check_toolchain(op)
         build_dir.mkdir(parents=True, exist_ok=True)
