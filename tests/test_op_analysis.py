@@ -53,6 +53,7 @@ def cli_run(model_dir, tmp_path_factory) -> dict:
     """The command, as a user runs it (subprocess), with the GE converter check."""
     out = tmp_path_factory.mktemp("analysis_out") / "report"
     cmd = [sys.executable, str(REPO / "tools/op_analysis.py"), "--model", "qwen", "--steps", "3", "--out", str(out)]
+    cmd += ["--threads", "1"]  # a shared machine: no OpenMP region waits for a descheduled thread
     for item in [*BASE, f"model_config.model_path={model_dir}"]:
         cmd += ["--set", item]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
@@ -65,6 +66,7 @@ def test_outputs_are_written_and_say_what_the_timings_are(cli_run):
     assert (out / "op_analysis.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "op_analysis.png").stat().st_size > 10_000
     assert "portable CPU measurement, not an Ascend result" in a["what"]
+    assert a["threads"] == 1 and "1 torch thread," in a["what"]
     assert "torchair from the torch-npu 2.14.0 wheel" in a["graph"]["converters"]
     md = (out / "op_analysis.md").read_text()
     assert "not an Ascend result" in md.splitlines()[2]
@@ -214,6 +216,8 @@ def test_roofline_bound_classification():
 def test_bad_input_is_exit_2_and_one_line(capsys, tmp_path):
     assert run_command(op_analysis.main, ["--steps", "0"]) == 2
     assert capsys.readouterr().err.strip() == "error: --steps: must be >= 1, got 0"
+    assert run_command(op_analysis.main, ["--threads", "-1"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --threads: must be >= 0 (0 = torch default), got -1"
     assert run_command(op_analysis.main, ["--set", "model_config.custom_ops=[nope]", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "'nope' is not a custom op; available: decode_attention" in err
@@ -227,8 +231,9 @@ def test_cli_analyze_help_and_bad_input(capsys):
         cli.main(["analyze", "--help"])
     own = capsys.readouterr().out
     assert done.value.code == 0 and own.startswith("usage: ")
-    for option in ("--model", "--config", "--set", "--steps", "--out", "--no-ge", "op_analysis.png", "exit codes"):
+    for option in ("--model", "--config", "--set", "--steps", "--threads", "--out", "--no-ge", "op_analysis.png"):
         assert option in own, option
+    assert "exit codes: 0 report written, 2 bad input" in own
     assert cli.main(["analyze", "--config", "/nonexistent/recipe.yaml"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and "/nonexistent/recipe.yaml" in err

@@ -2,7 +2,7 @@
 
     python tools/op_analysis.py --model qwen                      # or: cann-recipes-infer analyze ...
     python tools/op_analysis.py --model qwen3_moe --set model_config.dtype=bfloat16 --out /tmp/moe
-    python tools/op_analysis.py --model qwen --config my.yaml --no-ge
+    python tools/op_analysis.py --model qwen --config my.yaml --no-ge --threads 1   # a shared machine
 
 For the configured recipe (its op table and custom ops, its prompts and batch): time per model
 region (layer_i_attn, layer_i_mlp/moe, embed, final_norm, lm_head) and per op type from the
@@ -22,6 +22,8 @@ from __future__ import annotations
 import io
 import sys
 from pathlib import Path
+
+import torch
 
 if __package__ in (None, ""):  # `python tools/op_analysis.py`: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -51,6 +53,13 @@ def parser():
         config_help="a recipe YAML anywhere, instead of --yaml",
     )
     p.add_argument("--steps", type=int, default=5, help="decode steps profiled (default: %(default)s)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads while profiling (0 = torch default); 1 on a machine other jobs share, "
+        "where OpenMP regions that wait for a descheduled thread inflate every parallel op",
+    )
     p.add_argument("--out", help="output directory (default: models/<model>/res/<date>/op_analysis_<time>/)")
     p.add_argument("--no-ge", action="store_true", help="skip the GE converter check (needs the torch-npu wheel)")
     return p
@@ -60,10 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.steps < 1:
         raise AnalysisError(f"--steps: must be >= 1, got {args.steps}")
+    if args.threads < 0:
+        raise AnalysisError(f"--threads: must be >= 0 (0 = torch default), got {args.threads}")
     runner_cls = runner_class(args.model)
     cfg = load_config(config_path(args.model, args.yaml, args.config), args.overrides)
     platform = detect(cfg.model_config.device)
     out = Path(args.out) if args.out else results_dir(args.model, "op_analysis")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     with claim_output_dir(out, "op_analysis.json"):
         print(f"[analyze] building {args.model} ({cfg.model_config.exe_mode}) on {platform.describe()}", flush=True)
         runner = runner_cls(cfg, platform, None, stream=io.StringIO())

@@ -92,6 +92,7 @@ def analyze(runner, steps: int = 5, ge: bool = True, log: Callable[[str], None] 
         "layers": runner.arch.num_layers,
         "platform": runner.platform.describe(),
         "platform_kind": runner.platform.kind,
+        "threads": torch.get_num_threads(),  # intra-op threads the timings were taken with
         "batch_size": batch,
         "run": run,
         "ops_table": runner.context.op_table,

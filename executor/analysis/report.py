@@ -16,7 +16,8 @@ TOP_OPS = 15  # op types per table and chart
 def what(a: dict) -> str:
     kind = "portable CPU measurement, not an Ascend result" if a["platform_kind"] == "cpu" else "measured on the device"
     return (
-        f"timings: {a['platform']}, ops run one by one (eager) with the run's op table `{a['ops_table']}` ({kind}); "
+        f"timings: {a['platform']}, {a['threads']} torch thread{'s' if a['threads'] != 1 else ''}, ops run one by "
+        f"one (eager) with the run's op table `{a['ops_table']}` ({kind}); "
         f"GE mapping: {a['graph']['converters']}"
     )
 
