@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from executor import cli
-from executor.analysis import roofline
+from executor.analysis import findings, roofline
 from executor.analysis.analyze import analyze
-from executor.analysis.trace import OpRecorder, RegionMarker, footprint, profile_times
+from executor.analysis.trace import PYTHON, OpCall, OpRecorder, OpTime, RegionMarker, footprint, profile_times
 from executor.config import load_config
 from executor.errors import run_command
 from executor.platform import detect
@@ -211,6 +211,21 @@ def test_roofline_bound_classification():
     assert roofline.bound(flops=1e8, nbytes=1e6, ms=1.5, machine=m) == "compute"  # floor 1 ms
     assert roofline.bound(flops=1e6, nbytes=1e6, ms=5.0, machine=m) == "overhead"  # 50x the floor
     assert roofline.bound(flops=0, nbytes=0, ms=0.01, machine=m) == "overhead"
+
+
+def test_overhead_in_a_graph_mode_leaves_out_the_python_dynamo_removed():
+    """Eager: op time above the roofline + Python between ops; ge_graph with a narrower plan: the
+    per-op excess only (dynamo traced the Python away); ge_graph + decoder: nothing to suggest."""
+    m = roofline.Machine(read_gbs=10.0, peak_gflops=100.0, dtype="float32")
+    times = [OpTime("layer_0_mlp", "aten::mm", 0.5, 1), OpTime("layer_0_mlp", PYTHON, 2.0, 1)]
+    calls = [OpCall("aten::mm", "layer_0_mlp", 2 * 10**6, 10**6, "float32", "", None)]  # roofline 0.1 ms
+    run = {"exe_mode": "eager", "superkernel": False, "plan": "none", "dtype": "float32"}
+    (eager,) = findings._overhead(times, calls, m, run)
+    assert eager.saving_ms == pytest.approx(0.4 + 2.0) and "exe_mode: ge_graph" in eager.action
+    (moe,) = findings._overhead(times, calls, m, dict(run, exe_mode="ge_graph", superkernel=True, plan="moe"))
+    assert moe.saving_ms == pytest.approx(0.4) and "plan moe scopes part of the step" in moe.what
+    assert "superkernel.plan: decoder" in moe.action
+    assert findings._overhead(times, calls, m, dict(run, exe_mode="ge_graph", superkernel=True, plan="decoder")) == []
 
 
 def test_bad_input_is_exit_2_and_one_line(capsys, tmp_path):
