@@ -68,11 +68,13 @@ def test_outputs_are_written_and_say_what_the_timings_are(cli_run):
     assert "portable CPU measurement, not an Ascend result" in a["what"]
     assert a["threads"] == 1 and "1 torch thread," in a["what"]
     assert "torchair from the torch-npu 2.14.0 wheel" in a["graph"]["converters"]
-    md = (out / "op_analysis.md").read_text()
-    assert "not an Ascend result" in md.splitlines()[2]
-    first_row = next(line for line in md.splitlines() if line.startswith("| 1 |"))
-    assert a["opportunities"][0]["what"] in first_row  # the first line is the biggest opportunity
-    assert "[analyze] biggest opportunity: " + a["opportunities"][0]["what"] in cli_run["stdout"]
+    md = (out / "op_analysis.md").read_text().splitlines()
+    first = a["opportunities"][0]
+    assert md[2] == a["headline"] and md[2].startswith(f"Biggest opportunity: {first['what']} (~")  # the first line
+    assert first["action"] in md[2] and "not an Ascend result" in md[4]
+    first_row = next(line for line in md if line.startswith("| 1 |"))
+    assert first["what"] in first_row
+    assert f"[analyze] {a['headline']}" in cli_run["stdout"]
 
 
 def test_opportunities_are_ranked_biggest_first(cli_run):

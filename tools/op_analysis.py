@@ -82,11 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         runner = runner_cls(cfg, platform, None, stream=io.StringIO())
         result = analyze(runner, steps=args.steps, ge=not args.no_ge, log=lambda line: print(line, flush=True))
         paths = report.write(result, out)
-    first = result["opportunities"][0] if result["opportunities"] else None
     print(report.what(result))
-    if first:
-        saving = "blocks ge_graph" if first["saving_ms"] is None else f"~{first['saving_ms']:.3f} ms/step"
-        print(f"[analyze] biggest opportunity: {first['what']} ({saving}); {first['action']}")
+    print(f"[analyze] {report.headline(result)}")
     print(f"[analyze] wrote {', '.join(str(p) for p in paths)}")
     return 0
 

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 TOP_OPS = 15  # op types per table and chart
+HEADLINE_CHARS = 160  # the PNG subtitle: one line of the 14-inch figure
 
 
 def what(a: dict) -> str:
@@ -20,6 +21,16 @@ def what(a: dict) -> str:
         f"one (eager) with the run's op table `{a['ops_table']}` ({kind}); "
         f"GE mapping: {a['graph']['converters']}"
     )
+
+
+def headline(a: dict) -> str:
+    """The biggest opportunity in one line: the md's first line after the title, the PNG's subtitle,
+    what the command prints last."""
+    if not a["opportunities"]:
+        return "Biggest opportunity: none found"
+    o = a["opportunities"][0]
+    saving = "blocks ge_graph" if o["saving_ms"] is None else f"~{o['saving_ms']:.3f} ms/step, {_share(o['share'])}"
+    return f"Biggest opportunity: {o['what']} ({saving}); {o['action'] or 'no action known'}"
 
 
 def _ms(v) -> str:
@@ -35,6 +46,8 @@ def markdown(a: dict) -> str:
     lines = [
         f"# Op analysis: {a['recipe']} ({a['model_type']}, {a['layers']} layers), "
         f"batch {a['batch_size']}, {r['dtype']}",
+        "",
+        headline(a),
         "",
         what(a),
         "",
@@ -116,7 +129,11 @@ def chart(a: dict, path: Path) -> None:
             ax.set_title(f"{phase}: ms per step by {label}")
             ax.set_xlabel("ms (" + ("CPU, portable" if a["platform_kind"] == "cpu" else a["platform"]) + ")")
             ax.tick_params(axis="y", labelsize=7)
-    fig.suptitle(f"op_analysis: {a['recipe']} ({a['model_type']}), {a['run']['dtype']}, batch {a['batch_size']}")
+    line = headline(a)
+    line = line if len(line) <= HEADLINE_CHARS else line[: HEADLINE_CHARS - 3] + "..."
+    fig.suptitle(
+        f"op_analysis: {a['recipe']} ({a['model_type']}), {a['run']['dtype']}, batch {a['batch_size']}\n{line}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -126,6 +143,6 @@ def write(a: dict, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "op_analysis.md", out / "op_analysis.json", out / "op_analysis.png"]
     paths[0].write_text(markdown(a))
-    paths[1].write_text(json.dumps(a | {"what": what(a)}, indent=1, default=str) + "\n")
+    paths[1].write_text(json.dumps(a | {"what": what(a), "headline": headline(a)}, indent=1, default=str) + "\n")
     chart(a, paths[2])
     return paths
