@@ -5,7 +5,8 @@ traced in, to the GE op our converter registers (executor/backends/npu_decode_at
 FusedInferAttentionScore fed `actual_seq_lengths_kv`, computed in the graph from the mask. One
 `tools/ge_check.py` subprocess (torchair from the torch-npu wheel cannot be imported twice per
 process) converts the bf16 decode step of a 2-layer Qwen3 with `custom_ops: [decode_attention]`
-for several plans; the assertions are made here on its JSON and GE node lists. A run without
+for several plans, and a second one the 2-layer Qwen3-MoE for the `moe` plan and a scope shared by
+layer 0's attention and MoE; the assertions are made here on their JSON and GE node lists. A run without
 the custom op (tests/test_ge_conversion.py) is the control: there FIA's input is unfed.
 """
 
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tool_fixtures import TINY_DENSE, tiny_model
+from tests.tool_fixtures import TINY_DENSE, TINY_MOE, tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 LAYERS = 2
@@ -77,3 +78,39 @@ def test_the_length_computation_carries_the_scope_attributes_too(report):
         assert result["outside"]["with_scope_attrs"] == []
     outside = report["plans"]["none"]["outside"]["ops"]
     assert outside.count("ReduceMax") == LAYERS and outside.count("FusedInferAttentionScore") == LAYERS
+
+
+# --------------------------------------------------------------------------- the MoE recipe
+MOE_SCOPE = "model_config.superkernel.custom=[{regions: [layer_0_attn, layer_0_moe], label: attn_moe}]"
+
+
+@pytest.fixture(scope="module")
+def moe_report(tmp_path_factory) -> dict:
+    """qwen3_moe (2 MoE layers): the `moe` plan, and one scope over layer 0's attention and MoE."""
+    work = tmp_path_factory.mktemp("ge_custom_moe")
+    model = tiny_model(work / "model", dict(TINY_MOE, num_hidden_layers=LAYERS))
+    out = work / "ge_check.json"
+    cmd = [sys.executable, str(REPO / "tools/ge_check.py"), "--model", "qwen3_moe", "--json", str(out)]
+    cmd += ["--set", f"model_config.model_path={model}", "--set", "model_config.custom_ops=[decode_attention]"]
+    cmd += ["--set", f"model_config.superkernel.options={OPTIONS}", "--set", MOE_SCOPE, "--plan", "moe"]
+    cmd += ["--plan", "custom", "--dump-dir", str(work / "dumps")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    if proc.returncode == 2:
+        pytest.fail(f"GE conversion tier could not run: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0 and out.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_in_the_moe_recipe_it_converts_inside_a_scope_shared_with_the_moe_ops(moe_report):
+    assert moe_report["passed"] is True
+    custom, moe = moe_report["plans"]["custom"], moe_report["plans"]["moe"]
+    for result in (custom, moe):
+        assert result["without_converter"] == [] and result["fx_custom_ops"] == ["cann.decode_attention.default"]
+        assert [f["from"] for f in result["attention_kv_lengths"]] == ["ReduceMax"] * LAYERS
+    assert [f["scope"] for f in custom["attention_kv_lengths"]] == ["attn_moe", None]  # layer 1: outside
+    scope = custom["scopes"]["attn_moe"]
+    assert scope["options"] == [OPTIONS]
+    assert LENGTH_OPS | {"FusedInferAttentionScore", "MoeGatingTopKSoftmax", "SwiGlu"} <= set(scope["ops"])
+    assert [f["scope"] for f in moe["attention_kv_lengths"]] == [None, None]  # the moe plan leaves attention out
+    assert set(moe["scopes"]) == {"layer_0_moe", "layer_1_moe"}
+    assert not {"FusedInferAttentionScore", "ReduceMax"} & {op for s in moe["scopes"].values() for op in s["ops"]}
