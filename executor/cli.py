@@ -1,4 +1,4 @@
-"""Command line: `cann-recipes-infer [run|compare|search|ge-check] ...` (infer.sh calls `run`).
+"""Command line: `cann-recipes-infer [run|compare|search|ge-check|analyze] ...` (infer.sh calls `run`).
 
 Every known failure (bad config, missing checkpoint, impossible platform request: a
 executor.errors.RecipeError) prints one line `error: ...` and exits with code 2; anything else
@@ -77,6 +77,7 @@ COMMANDS = {
     "search": ("tools.scope_search", "find the fastest accurate SuperKernel plan"),
     "ge-check": ("tools.ge_check", "convert the decode graph to GE on CPU (torchair), list GE ops per scope"),
     "accuracy": ("tools.accuracy", "the configured run against the eager float32 reference (cosine, PPL, audit)"),
+    "analyze": ("tools.op_analysis", "where decode time goes, Ascend op mapping, ranked opportunities"),
 }
 
 

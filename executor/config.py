@@ -32,6 +32,7 @@ from typing import Any
 
 import yaml
 
+from executor import custom_ops
 from executor.errors import RecipeError
 from executor.scope import REGION_KINDS, parse_options
 
@@ -97,6 +98,7 @@ class ModelConfig:
     cache_dir: str = ""  # "" = ~/.cache/cann-recipes-infer/compile
     enable_static_kernel: bool = False  # npugraph_ex's static_kernel_compile option (independent of SK)
     enable_profiler: bool = False
+    custom_ops: tuple[str, ...] = ()  # executor/custom_ops/ ops layered on the op table, e.g. [decode_attention]
     output_path: str = ""  # results directory; "" = models/<recipe>/res/<date>/<case>/ (--out wins)
     seed: int = 0
     superkernel: SuperKernelConfig = SuperKernelConfig()
@@ -415,6 +417,7 @@ def validate(cfg: RunConfig) -> None:
     if dc.dataset == "default" and not dc.prompts:
         raise ConfigError("data_config.prompts: dataset 'default' needs at least one prompt")
     parse_options(sk.options, key="model_config.superkernel.options")
+    custom_ops.check(mc.custom_ops)
     for i, scope in enumerate(sk.custom):
         parse_options(scope.options, key=f"model_config.superkernel.custom[{i}].options")
 

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from executor import memory
+from executor import custom_ops, memory
 from executor.arch import ArchError, ModelArch, load_arch
 from executor.backends.base import cache_root
 from executor.config import ConfigError, ModelConfig, RunConfig
@@ -84,7 +84,7 @@ def check_vocab(arch: ModelArch, tokenizer_vocab: int, tokenizer_path: str) -> N
 
 
 def check(runner: RunnerLike, cfg: RunConfig, platform: Platform, dtype: torch.dtype) -> Preflight:
-    """Architecture, recipe match, scope plan, memory and compile cache; nothing is allocated."""
+    """Architecture, recipe match, scope plan, custom ops, memory and compile cache; nothing is allocated."""
     mc = cfg.model_config
     model_path = resolve_model_path(runner.recipe, mc.model_path)
     arch = load_arch(model_path, mc.debug_size)
@@ -95,6 +95,7 @@ def check(runner: RunnerLike, cfg: RunConfig, platform: Platform, dtype: torch.d
         )
     meta = meta_model(runner, arch)
     plan = scope_plan(meta.regions(), mc)
+    custom_ops.check_runnable(mc.custom_ops, platform.kind, mc.exe_mode)  # no kernel here, no compiler
     estimate = memory.check_run(arch, cfg, platform.kind, memory.count_parameters(meta), dtype)
     check_cache_dir(mc)
     return Preflight(model_path, arch, plan, estimate)

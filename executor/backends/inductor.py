@@ -29,6 +29,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.fx.passes.split_module import split_module
 
+from executor import custom_ops
 from executor.backends.base import (
     Backend,
     CompiledStep,
@@ -400,6 +401,7 @@ class InductorBackend(Backend):
         self.superkernel, self.device = mc.superkernel_enabled, device
         self.name = "inductor+superkernel" if self.superkernel else "inductor"
         self.cache_enabled = mc.enable_cache_compile
+        self.op_table = custom_ops.layer("reference", mc.custom_ops, custom_ops.installer(device))
         self.cache_key = cache_key(spec, self.name, self.op_table, {"torch": torch.__version__})
         self.cache_dir = (
             str(keyed_cache_dir(cache_root(mc), self.cache_key))
