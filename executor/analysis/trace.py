@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from executor.paths import REPO_ROOT
+from executor.scope import ScopeStandIn
 
 MODULE_REGIONS = {"embed_tokens": "embed", "norm": "final_norm", "lm_head": "lm_head"}  # model attribute -> region
 _STEP = "__op_analysis_step_"  # profiler range around each profiled step
@@ -35,7 +36,7 @@ _MODELS = str(REPO_ROOT / "models")
 _OPS_INTERFACE = str(REPO_ROOT / "executor" / "ops" / "__init__.py")
 
 
-class RegionMarker:
+class RegionMarker(ScopeStandIn):
     """Stands in for ScopeRunner while analysing: `region(name)` is a profiler range, and the
     innermost open region is known to the op recorder."""
 
