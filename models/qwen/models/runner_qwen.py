@@ -13,7 +13,7 @@ class QwenRunner(ModelRunner):
     model_types = ("qwen2", "qwen3")
 
     def build_model(self, arch: ModelArch):
-        return build_model(arch)
+        return build_model(arch, self.parallel)
 
 
 RUNNER = QwenRunner
