@@ -13,6 +13,12 @@ prefill, a multi-rank step) without touching the others:
 
 Everything that traces or runs the model happens inside the run's ExecutionContext (op table,
 scope implementation, compile cache), entered here and restored afterwards.
+
+Several devices (parallel_config.world_size > 1): every rank runs this same code under
+torchrun. The model is built with the run's process groups (executor.parallel) and holds this
+rank's part of the weights; each attention data parallel group prefills and decodes its share
+of the batch rows, and generate() returns the whole batch on every rank. Rank 0 prints to the
+console and writes metrics.json; the other ranks log to their own files.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from executor.context import ExecutionContext
 from executor.datasets import load_prompts
 from executor.kv_cache import KVCache
 from executor.loader import init_random, load_weights
+from executor.parallel import runtime
+from executor.parallel.layout import check_arch
 from executor.paths import results_dir
 from executor.platform import Platform, software_versions, timer
 from executor.registry import resolve_model_path
@@ -88,6 +96,8 @@ class ModelRunner:
                 f"{self.arch.source}: model_type {self.arch.model_type!r} does not belong to the "
                 f"{self.recipe} recipe (it runs {', '.join(self.model_types)})"
             )
+        self.parallel = runtime.parallel_for(cfg.parallel_config, platform)
+        check_arch(self.parallel.layout, self.arch)
         torch.manual_seed(mc.seed)
         self.use_backend(select_backend(mc, platform))
         self.model = self.build_model(self.arch).to(self.dtype)
@@ -111,8 +121,9 @@ class ModelRunner:
     def use_backend(self, backend: Backend) -> None:
         """Run the decode step with `backend` from now on (compiled on next use): the same model
         and weights under another exe_mode, e.g. for an eager reference in the same process."""
-        self.backend, self.context = backend, ExecutionContext.for_backend(backend)
+        self.backend, self.context = backend, ExecutionContext.for_backend(backend, self.parallel)
         self.step: CompiledStep | None = None  # the compiled decode step, built on first use
+        self.collectives: dict | None = None  # collectives of one decode step, noted on its first call
 
     def _tokenizer_path(self) -> Path:
         mc = self.cfg.model_config
@@ -146,7 +157,7 @@ class ModelRunner:
             self.cache = KVCache(
                 len(self.model.layers),
                 batch,
-                self.arch.num_kv_heads,
+                self.parallel.layout.kv_heads_per_rank(self.arch.num_kv_heads),
                 max_len,
                 self.arch.head_dim,
                 self.dtype,
@@ -155,12 +166,14 @@ class ModelRunner:
         if self.step is None:
             self.step = self.backend.compile(self._decode_step)
 
-    def prefill(self, prompt_ids: list[list[int]]) -> Prefill:
+    def prefill(self, prompt_ids: list[list[int]], width: int = 0) -> Prefill:
         """Run the right-padded prompts through the model eagerly, outside any scope; with
-        `max_prefill_tokens`, in consecutive groups of rows of at most that many prompt tokens."""
+        `max_prefill_tokens`, in consecutive groups of rows of at most that many prompt tokens.
+        `width` pads to at least that many tokens (attention-DP groups pad to the same length,
+        so the collectives of their prefills have the same shapes)."""
         lengths = torch.tensor([len(p) for p in prompt_ids], device=self.device)
         t0 = self.now()
-        logits = [self._prefill_rows(prompt_ids, a, b) for a, b in self._prefill_groups(prompt_ids)]
+        logits = [self._prefill_rows(prompt_ids, a, b, width) for a, b in self._prefill_groups(prompt_ids)]
         return Prefill(torch.cat(logits), lengths, (self.now() - t0) * 1e3)
 
     def _prefill_groups(self, prompt_ids: list[list[int]]) -> list[tuple[int, int]]:
@@ -181,10 +194,11 @@ class ModelRunner:
             used += len(p)
         return [*groups, (start, len(prompt_ids))]
 
-    def _prefill_rows(self, prompt_ids: list[list[int]], start: int, stop: int) -> torch.Tensor:
+    def _prefill_rows(self, prompt_ids: list[list[int]], start: int, stop: int, width: int = 0) -> torch.Tensor:
         rows = prompt_ids[start:stop]
         lengths = torch.tensor([len(p) for p in rows], device=self.device)
-        ids = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long, device=self.device)  # (b, S) right-padded
+        width = max(width, int(lengths.max()))
+        ids = torch.zeros(len(rows), width, dtype=torch.long, device=self.device)  # (b, S) right-padded
         for i, p in enumerate(rows):
             ids[i, : len(p)] = torch.tensor(p)
         positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
@@ -193,7 +207,16 @@ class ModelRunner:
 
     def decode_one(self, token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One compiled decode step: (B, 1) tokens at (B, 1) positions -> (B, V) logits."""
-        return self.step(token, positions)
+        if self.collectives is not None:
+            return self.step(token, positions)
+        log = self.parallel.log  # the first call runs (or traces) every collective of a step once
+        log.calls.clear()
+        log.recording = True
+        try:
+            return self.step(token, positions)
+        finally:
+            log.recording = False
+            self.collectives = log.summary()
 
     @torch.no_grad()
     def generate(
@@ -203,13 +226,16 @@ class ModelRunner:
         on_step: Callable[[int, float], None] | None = None,
         on_prefill: Callable[[float], None] | None = None,
     ) -> Generation:
-        """Greedy decoding: prefill, then `max_new_tokens - 1` timed decode steps."""
+        """Greedy decoding: prefill, then `max_new_tokens - 1` timed decode steps. On several
+        devices this rank runs its attention-DP group's rows; the result holds every row."""
         if max_new_tokens > self.cfg.scheduler_config.max_new_tokens:
             raise ValueError(f"max_new_tokens {max_new_tokens} exceeds scheduler_config.max_new_tokens")
+        all_rows, (first, last) = prompt_ids, self.parallel.local_rows(len(prompt_ids))
+        prompt_ids = all_rows[first:last]
         b = len(prompt_ids)
         with self.context.active():
             self.prepare(b)
-            pre = self.prefill(prompt_ids)
+            pre = self.prefill(prompt_ids, width=max(len(p) for p in all_rows))
             if on_prefill:
                 on_prefill(pre.ms)
             token = pre.logits.argmax(-1, keepdim=True)  # (B, 1)
@@ -224,8 +250,9 @@ class ModelRunner:
                 pos += 1
                 if on_step:
                     on_step(i, step_ms[-1])
-        tokens = torch.cat(out, dim=1).tolist()
-        return Generation(prompt_ids, tokens, pre.ms, step_ms, pre.logits, logits)
+        tokens = runtime.gather_rows(torch.cat(out, dim=1).tolist(), self.parallel)
+        first, last = (runtime.gather_row_tensor(t, self.parallel) for t in (pre.logits, logits))
+        return Generation(all_rows, tokens, pre.ms, step_ms, first, last)
 
     def encode_prompts(self) -> list[list[int]]:
         """Token ids per row, each cut to its last `input_truncated_len` tokens; a cut is logged
@@ -257,6 +284,8 @@ class ModelRunner:
         self.generate(prompt_ids, min(2, sc.max_new_tokens))
         warmup_s = self.now() - t0
         self.log(f"[run] warm-up (compile) took {warmup_s:.2f} s")
+        if self.parallel.world > 1:
+            runtime.steady_state()
         profiler = self._profiler()
         with profiler:
             gen = self.generate(
@@ -275,7 +304,7 @@ class ModelRunner:
         for prompt, text in zip(self.prompts(), texts):
             self.log(f"[prompt] {prompt!r}\n[output] {text!r}")
         metrics = self._metrics(gen, texts, tps, warmup_s)
-        if self.out_dir is not None:
+        if self.out_dir is not None and self.parallel.rank == 0:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
             if mc.enable_profiler:
@@ -335,11 +364,22 @@ class ModelRunner:
             "decode_ms_average": logs.decode_average_ms(gen.decode_ms) if gen.decode_ms else None,
             "tokens_per_s": tps,
             "peak_memory_mb": round(peak, 1),
+            **self._parallel_metrics(peak),
             "prompt_token_ids": gen.prompt_ids,
             "prompt_truncation": self.truncation,  # tokens given / kept per row (data_config.input_truncated_len)
             "generated_token_ids": gen.token_ids,
             "text": texts,
             "config": to_dict(self.cfg),
+        }
+
+    def _parallel_metrics(self, peak_mb: float) -> dict:
+        """world_size, the layout, the collectives of one decode step and every rank's peak memory."""
+        p = self.parallel
+        return {
+            "world_size": p.world,
+            "parallel": p.layout.describe() | {"backend": p.backend or None},
+            "collectives_per_step": self.collectives,
+            "peak_memory_mb_per_rank": [round(m, 1) for m in runtime.gather_objects(peak_mb, p)],
         }
 
 
@@ -348,13 +388,14 @@ def write_scope_report(out_dir: Path, sk: dict) -> None:
     lines = [
         f"# SuperKernel scopes: plan {sk['plan']}, requested {sk['requested']}, ran {sk['ran']}",
         "",
-        "| label | options | ops | segments | launches | unfused | cut reasons |",
-        "|---|---|---|---|---|---|---|",
+        "| label | options | ops | segments | launches | unfused | collectives | cut reasons |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for s in sk["scopes"]:
         lines.append(
             f"| {s['label']} | {s.get('options') or '-'} | {s.get('ops', '-')} | {s.get('segments', '-')} | "
-            f"{s.get('launches', '-')} | {s.get('unfused', '-')} | {'; '.join(s.get('cut_reasons', [])) or '-'} |"
+            f"{s.get('launches', '-')} | {s.get('unfused', '-')} | {s.get('collectives', '-')} | "
+            f"{'; '.join(s.get('cut_reasons', [])) or '-'} |"
         )
     (out_dir / "superkernel_scopes.md").write_text("\n".join(lines) + "\n")
 

@@ -315,3 +315,18 @@ def compile_npugraph_ex(step: Callable, model_config: ModelConfig, log: _ScopeLo
         options["super_kernel_optimize_options"] = _npugraph_sk_options(model_config)
     fn = torch.compile(step, backend="npugraph_ex", fullgraph=True, dynamic=False, options=options)
     return NpuStep(fn, "npugraph_ex+superkernel" if superkernel else "npugraph_ex", model_config, log, None)
+
+
+# --------------------------------------------------------------------------- several devices
+def init_distributed(local_rank: int) -> str:
+    """Bind this rank to its NPU and name the torch.distributed backend: HCCL (torch_npu registers
+    it). Functional collectives in the decode graph become GE HcomAllReduce / HcomAllGather ops
+    (torchair's converters); inside a `super_kernel` scope GE fuses AllReduce, ReduceScatter,
+    AllGather and AlltoAll into the SuperKernel, and cuts the scope around anything it cannot fuse."""
+    _torch_npu().npu.set_device(local_rank)
+    return "hccl"
+
+
+def device_count() -> int:
+    """NPUs visible to this process (ASCEND_RT_VISIBLE_DEVICES applies)."""
+    return int(_torch_npu().npu.device_count())
