@@ -239,10 +239,12 @@ def run_candidate(search: Search, cand: dict, rec: dict, position: str) -> None:
     rec["started"] = datetime.datetime.now().isoformat(timespec="seconds")
     try:
         changes, rec["config_changes"] = measure.side_changes(st.cfg, cand["superkernel"])
-        ccfg = measure.write_side_config(st.config, copy, changes, search.overrides)
+        measure.write_side_config(st.config, copy, changes, search.overrides)  # validates the copy
         rec["config_copy"] = str(copy)
         progress(f"{position} {name}: compile + accuracy check vs eager ({search.tokens} tokens) ...")
-        gen, _, _ = measure.generate_in_process(st.runner, ccfg, st.platform, search.tokens, search.prompts)
+        gen, _, _ = measure.generate(
+            st.model, st.runner, copy, search.overrides, st.platform, search.tokens, search.prompts, out / "ranks"
+        )
         acc = rec["accuracy"] = measure.check_accuracy(search.ref, gen, search.tokens, search.cosine_min)
         progress(
             f"{position} {name}: accuracy {'ok' if acc['passed'] else 'REJECTED'} ({acc['reason']}; "
@@ -310,16 +312,15 @@ def main(argv: list[str] | None = None) -> int:
     with measure.sigterm_as_interrupt():
         try:
             progress(f"eager reference: {tokens} greedy tokens on the config's prompts ...")
-            eager = load_config(
-                config,
-                [
-                    *args.overrides,
-                    "model_config.exe_mode=eager",
-                    f"{measure.switch_key(cfg)}=false",
-                    "model_config.enable_cache_compile=false",
-                ],
+            eager = [
+                *args.overrides,
+                "model_config.exe_mode=eager",
+                f"{measure.switch_key(cfg)}=false",
+                "model_config.enable_cache_compile=false",
+            ]
+            search.ref, regions, search.prompts = measure.generate(
+                st.model, st.runner, config, eager, platform, tokens, work_dir=out / "ranks"
             )
-            search.ref, regions, search.prompts = measure.generate_in_process(st.runner, eager, platform, tokens)
             cands, status["skipped"] = candidates(
                 regions, space, platform.kind, cfg.model_config.superkernel.options, cfg.model_config.model_name
             )

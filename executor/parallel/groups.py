@@ -83,7 +83,7 @@ def all_gather_last(x: torch.Tensor, comm: Comm, log: CollectiveLog | None = Non
         return x
     if log is not None:
         log.note("all_gather", comm.name, x.numel() * x.element_size() * comm.size)
-    return _funcol().all_gather_tensor(x, x.dim() - 1, comm.name)  # a negative gather dim fails eagerly
+    return _funcol().all_gather_single(x, x.dim() - 1, comm.name)  # a negative gather dim fails eagerly
 
 
 @dataclass(frozen=True)
@@ -209,14 +209,13 @@ def role_ranks(layout: Layout, rank: int) -> dict[str, tuple[tuple[int, ...], tu
     }
 
 
-def build(layout: Layout, rank: int, backend: str, new_group=None) -> Parallel:
+def build(layout: Layout, rank: int, backend: str) -> Parallel:
     """Create the process groups of `layout` (torch.distributed must be initialised) and return
     this rank's view. c10d requires every rank to create every group in the same order, also
     the ones it is not in, so all groups of all ranks are created here, each distinct rank set
     once (roles with the same ranks share one group, as upstream's CommManager does)."""
     import torch.distributed as dist
 
-    new_group = new_group or _cached_new_group
     every: list[tuple[int, ...]] = []
     for r in range(layout.world):
         for group, gather in role_ranks(layout, r).values():
@@ -225,10 +224,17 @@ def build(layout: Layout, rank: int, backend: str, new_group=None) -> Parallel:
                     every.append(ranks)
     names: dict[tuple[int, ...], str] = {}
     for ranks in every:
-        pg = dist.group.WORLD if len(ranks) == layout.world else new_group(list(ranks))
+        pg = dist.group.WORLD if len(ranks) == layout.world else _cached_new_group(list(ranks))
         if rank in ranks:
             names[ranks] = pg.group_name
+    return view(layout, rank, names, backend)
 
+
+def view(layout: Layout, rank: int, names: dict[tuple[int, ...], str] | None = None, backend: str = "") -> Parallel:
+    """Rank `rank`'s Parallel given the group names of its rank sets. Without names (no process
+    groups: building or loading one rank's part of a model, as tests do) every layer gets its
+    shape and its slices, but nothing can communicate."""
+    names = names or {}
     log = CollectiveLog()
 
     def comm(ranks: tuple[int, ...]) -> Comm:
