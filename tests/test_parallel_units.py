@@ -344,3 +344,26 @@ def test_no_rank_environment_means_no_process_group(tmp_path):
     cfg = load_config(None, ["parallel_config.world_size=2", "parallel_config.attn_tp_size=2"])
     with pytest.raises(Exception, match=r"world_size 2 needs one process per rank.*infer\.sh"):
         ModelRunner(cfg, detect("cpu"))
+
+
+def test_the_failure_reported_is_the_cause_not_its_consequences(tmp_path):
+    """Rank 1 killed; rank 0 then fails on the dead connection and rank 2 is stopped by torchrun
+    (SIGTERM), all in the same second: the launcher names rank 1, with the right exit status."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from executor.parallel.launch import last_error, root_cause
+
+    (tmp_path / "rank_0.log").write_text(
+        "Traceback ...\nRuntimeError: pair.cc:537 Read error: Connection reset by peer\n"
+    )
+    (tmp_path / "rank_1.log").write_text("[rank 1/3] pid 101\nqwen inference time cost of decode is 1.00 ms\n")
+    failures = {r: ProcessFailure(r, 100 + r, code, "/nonexistent") for r, code in ((0, 1), (1, -9), (2, -15))}
+    for f in failures.values():
+        f.timestamp = 1000
+    assert root_cause(failures, tmp_path)[0] == 1
+    (tmp_path / "rank_3.log").write_text("[rank 3/4] pid 103\nerror: model_config.x: bad\n")
+    failures[3] = ProcessFailure(3, 103, 2, "/nonexistent")
+    failures[3].timestamp = 999
+    assert root_cause(failures, tmp_path)[0] == 3 and last_error(tmp_path / "rank_3.log") == "model_config.x: bad"
+    assert last_error(tmp_path / "rank_0.log").startswith("RuntimeError: pair.cc")
+    assert last_error(tmp_path / "missing.log") == "it failed before writing its log"

@@ -102,15 +102,35 @@ def launch(plan: Plan, log_dir: Path) -> int:
         try:
             torchrun.run(torchrun.parse_args(plan.args))
         except ChildFailedError as exc:
-            rank, failure = exc.get_first_failure()
-            if failure.exitcode < 0:
-                how = f"was killed by {failure.signal_name()}"
-            else:
-                how = f"exited with code {failure.exitcode}"
+            rank, failure = root_cause(exc.failures, log_dir)
             log = rank_log(log_dir, rank)
-            print(f"error: rank {rank} (pid {failure.pid}) {how}: {last_error(log)} [{log}]", file=sys.stderr)
+            if failure.exitcode < 0:
+                what = f"was killed by {failure.signal_name()}; its log: {log}"
+            else:
+                what = f"exited with code {failure.exitcode}: {last_error(log)} [{log}]"
+            print(f"error: rank {rank} (pid {failure.pid}) {what}", file=sys.stderr)
             return EXIT_USAGE if failure.exitcode == EXIT_USAGE else 1
     return 0
+
+
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket Timeout")
+
+
+def root_cause(failures: dict, log_dir: Path) -> tuple[int, object]:
+    """The failure that caused the others. torchrun stops the surviving ranks with SIGTERM, and a
+    rank blocked in a collective with a dead peer fails with a connection error; both are
+    consequences. torchrun's own "first failure" compares whole-second timestamps, so it cannot
+    tell them apart from the cause."""
+
+    def consequence(item) -> int:
+        rank, failure = item
+        if failure.exitcode == EXIT_USAGE:
+            return 0  # a user error: the reason for everything else
+        if failure.exitcode < 0:
+            return 2 if failure.signal_name() == "SIGTERM" else 0
+        return 1 if any(s in last_error(rank_log(log_dir, rank)) for s in _PEER_GONE) else 0
+
+    return min(failures.items(), key=lambda item: (consequence(item), item[1].timestamp, item[0]))
 
 
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b.*")
