@@ -86,6 +86,7 @@ def test_every_shipped_yaml_loads_or_names_what_is_missing(capsys):
                 assert f"parallel_config.world_size: {world} is larger than the devices present" in err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "recipe,yaml_name,checkpoint",
     [("qwen", "qwen3_8b_2tp.yaml", "qwen3"), ("qwen3_moe", "qwen3_30b_a3b_1tp_2ep.yaml", "moe")],
