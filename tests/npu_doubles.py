@@ -273,6 +273,7 @@ class RecordingTorchNpu(types.ModuleType):
             "get_device_name": lambda device=None: device_name,
             "is_available": lambda: True,
             "device_count": lambda: 1,
+            "set_device": lambda device: None,
             "synchronize": lambda device=None: None,
             "super_kernel_scope_begin": lambda name: torch.ops.npu.super_kernel_scope_begin(name),
             "super_kernel_scope_end": lambda name: torch.ops.npu.super_kernel_scope_end(name),

@@ -367,3 +367,13 @@ def test_the_failure_reported_is_the_cause_not_its_consequences(tmp_path):
     assert root_cause(failures, tmp_path)[0] == 3 and last_error(tmp_path / "rank_3.log") == "model_config.x: bad"
     assert last_error(tmp_path / "rank_0.log").startswith("RuntimeError: pair.cc")
     assert last_error(tmp_path / "missing.log") == "it failed before writing its log"
+
+
+def test_npu_ranks_use_hccl_through_the_adapter():
+    """The NPU side of several devices is the adapter's: bind the rank to its NPU, name HCCL."""
+    import tests.npu_doubles as nd
+    from executor.backends import npu
+
+    with nd.installed() as doubles:
+        assert npu.init_distributed(3) == "hccl" and npu.device_count() == 1
+        assert [c.args for c in doubles.torch_npu.named("npu.set_device")] == [(3,)]
