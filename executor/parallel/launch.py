@@ -30,26 +30,13 @@ from pathlib import Path
 
 from executor.config import ConfigError
 from executor.context import environment
-from executor.errors import EXIT_USAGE
+from executor.errors import EXIT_INTERRUPTED, EXIT_USAGE
 from executor.parallel.layout import check_devices, cpu_cores
-from executor.parallel.runtime import LAUNCHED_ENV, rank_log
+from executor.parallel.runtime import LAUNCHED_ENV, devices_here, rank_log
 from executor.paths import REPO_ROOT
 from executor.platform import Platform
 
 _OURS = ("--nproc-per-node", "--nproc_per_node", "--standalone", "--module", "-m", "--no-python")
-
-
-def devices_here(platform: Platform) -> tuple[int, str]:
-    """(how many ranks this machine can hold, what they are, in words)."""
-    if platform.kind == "cuda":
-        import torch
-
-        return torch.cuda.device_count(), "CUDA devices"
-    if platform.kind == "npu":
-        from executor.backends import npu
-
-        return npu.device_count(), "NPUs"
-    return cpu_cores(), "CPU cores usable by this process (each rank needs at least one)"
 
 
 @dataclass(frozen=True)
@@ -90,6 +77,7 @@ def launch(plan: Plan, log_dir: Path) -> int:
     """Run the planned ranks of this machine; 0, or the first failed rank's one-line error on
     stderr and its exit status (2 for a user error, as everywhere). Rank logs are in `log_dir`."""
     import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     for stale in log_dir.glob("rank_*.log"):  # an earlier failed run's: never report its error as ours
@@ -110,6 +98,9 @@ def launch(plan: Plan, log_dir: Path) -> int:
                 what = f"exited with code {failure.exitcode}: {last_error(log)} [{log}]"
             print(f"error: rank {rank} (pid {failure.pid}) {what}", file=sys.stderr)
             return EXIT_USAGE if failure.exitcode == EXIT_USAGE else 1
+        except SignalException as exc:  # Ctrl-C / SIGTERM to this process: torchrun stopped the ranks
+            print(f"interrupted ({exc.sigval.name}); the ranks were stopped", file=sys.stderr)
+            return EXIT_INTERRUPTED
     return 0
 
 

@@ -23,7 +23,7 @@ import torch
 from executor.config import ConfigError, ParallelConfig
 from executor.errors import RecipeError
 from executor.parallel.groups import SINGLE_DEVICE, Parallel, build, created_groups
-from executor.parallel.layout import Layout
+from executor.parallel.layout import Layout, check_devices, cpu_cores
 from executor.platform import Platform
 
 STARTUP_TIMEOUT = datetime.timedelta(minutes=15)  # load + compile, the ranks far apart
@@ -67,6 +67,17 @@ def init_process_group(platform: Platform) -> str:
     return backend
 
 
+def devices_here(platform: Platform) -> tuple[int, str]:
+    """(how many ranks this machine can hold, what they are, in words)."""
+    if platform.kind == "cuda":
+        return torch.cuda.device_count(), "CUDA devices"
+    if platform.kind == "npu":
+        from executor.backends import npu
+
+        return npu.device_count(), "NPUs"
+    return cpu_cores(), "CPU cores usable by this process (each rank needs at least one)"
+
+
 def parallel_for(pc: ParallelConfig, platform: Platform) -> Parallel:
     """The run's process groups by role; world size 1 needs none."""
     if pc.world_size == 1:
@@ -83,6 +94,8 @@ def parallel_for(pc: ParallelConfig, platform: Platform) -> Parallel:
         raise ConfigError(
             f"parallel_config.world_size: {pc.world_size}, but torchrun started {dist.get_world_size()} ranks"
         )
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", pc.world_size))  # a torchrun started by hand, too
+    check_devices(pc.world_size, pc.world_size // per_node, *devices_here(platform))
     return build(Layout.from_config(pc), dist.get_rank(), backend)
 
 
