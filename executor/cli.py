@@ -1,4 +1,4 @@
-"""Command line: `cann-recipes-infer [run|compare|search] ...` (infer.sh calls `run`).
+"""Command line: `cann-recipes-infer [run|compare|search|ge-check] ...` (infer.sh calls `run`).
 
 Every known failure (bad config, missing checkpoint, impossible platform request: a
 executor.errors.RecipeError) prints one line `error: ...` and exits with code 2; anything else
@@ -76,15 +76,12 @@ def _run_and_report(runner, out: Path) -> None:
 def _run_ranks(args, argv: list[str], cfg, platform, out: Path, where: str, runner_cls) -> int:
     """world_size > 1. Here (not under torchrun): check what can be checked, start the ranks.
     In a rank: agree on the output directory, let rank 0 hold it, log to this rank's file, run."""
-    from executor.arch import load_arch
     from executor.parallel import launch, runtime
-    from executor.parallel.layout import Layout, check_arch
-    from executor.registry import resolve_model_path
 
-    pc, mc = cfg.parallel_config, cfg.model_config
+    pc = cfg.parallel_config
     if not runtime.under_torchrun():
         plan = launch.plan(pc.world_size, args.torchrun, platform, "executor.cli", ["run", *argv, "--out", str(out)])
-        check_arch(Layout.from_config(pc), load_arch(resolve_model_path(args.model, mc.model_path), mc.debug_size))
+        runner_cls.check_before_run(cfg, platform, plan.per_node)  # layout vs config.json, memory of every rank here
         with claim_output_dir(out, "metrics.json", where):
             pass  # refused now (another run's results, or in use) rather than by rank 0 later
         return launch.launch(plan, out)
@@ -122,13 +119,14 @@ COMMANDS = {
     "run": (cmd_run, "run a recipe (what infer.sh does)"),
     "compare": ("tools.sk_compare", "baseline vs SuperKernel measurement and report"),
     "search": ("tools.scope_search", "find the fastest accurate SuperKernel plan"),
+    "ge-check": ("tools.ge_check", "convert the decode graph to GE on CPU (torchair), list GE ops per scope"),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
-        print("usage: cann-recipes-infer {run,compare,search} [--help] ...\n\ncommands:")
+        print(f"usage: cann-recipes-infer {{{','.join(COMMANDS)}}} [--help] ...\n\ncommands:")
         for name, (_, help_text) in COMMANDS.items():
             print(f"  {name:8s} {help_text}")
         return 0

@@ -8,23 +8,41 @@
 
 Every backend implements executor.backends.base.Backend. Nothing is downgraded silently: an
 impossible request raises UnsupportedError (exit code 2).
+
+`resolve_dtype()` is the one place `model_config.dtype: auto` becomes a dtype, and where a dtype
+the platform's op table cannot run is refused, before anything is built or loaded.
 """
 
 from __future__ import annotations
 
-from executor.backends.base import Backend, EagerBackend, UnsupportedError
-from executor.config import ModelConfig
+from executor.backends.base import Backend, DecodeSpec, EagerBackend, UnsupportedError
 from executor.platform import Platform
 
-__all__ = ["UnsupportedError", "select_backend"]
+__all__ = ["AUTO_DTYPE", "DecodeSpec", "UnsupportedError", "resolve_dtype", "select_backend"]
+
+# What `dtype: auto` means per platform: the NPU's fused attention takes float16/bfloat16 only and
+# CUDA runs bfloat16 natively; on CPU float32 is both the fastest and the most accurate choice.
+AUTO_DTYPE = {"npu": "bfloat16", "cuda": "bfloat16", "cpu": "float32"}
 
 
-def select_backend(mc: ModelConfig, platform: Platform) -> Backend:
+def resolve_dtype(requested: str, platform: Platform) -> str:
+    """`model_config.dtype` as the run will use it: "auto" resolved for `platform`; a dtype the
+    platform's op table cannot run (float32 on NPU) is an UnsupportedError, never a cast."""
+    dtype = AUTO_DTYPE[platform.kind] if requested == "auto" else requested
+    if platform.kind == "npu":
+        from executor.backends import npu
+
+        npu.check_dtype(dtype)
+    return dtype
+
+
+def select_backend(spec: DecodeSpec, platform: Platform) -> Backend:
     """The backend this run compiles its decode step with (not compiled yet: see Backend.compile)."""
+    mc = spec.model_config
     if platform.kind == "npu":
         from executor.backends import npu  # the only module that imports torch_npu / torchair
 
-        return npu.select_backend(mc)
+        return npu.select_backend(spec)
     if mc.exe_mode == "eager":
         return EagerBackend()
     if mc.exe_mode == "npugraph_ex":
@@ -34,4 +52,4 @@ def select_backend(mc: ModelConfig, platform: Platform) -> Backend:
         )
     from executor.backends.inductor import InductorBackend
 
-    return InductorBackend(mc, platform.kind)
+    return InductorBackend(spec, platform.kind)

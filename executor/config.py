@@ -37,7 +37,7 @@ from executor.scope import REGION_KINDS, parse_options
 
 EXE_MODES = ("eager", "ge_graph", "npugraph_ex")
 PLANS = (*REGION_KINDS, "custom")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: resolved per platform (executor.compile)
 DEVICES = ("auto", "cpu", "cuda", "npu")
 DATASETS = ("default", "LongBench")  # or a path to a text file, one prompt per line
 BUILTIN = "builtin"  # model_path value: the recipe's trained built-in checkpoint, models/<recipe>/builtin/
@@ -89,13 +89,13 @@ class ModelConfig:
     debug_size: str = "debugmodel"  # key of configs/model_sizes.yaml, used when model_path == ""
     tokenizer_path: str = ""  # "" = model_path's tokenizer.json, else the built-in tokenizer
     with_ckpt: bool = False  # True: load weights and fail if they cannot be loaded
-    dtype: str = field(default="float32", metadata=_choices(*DTYPES))
+    dtype: str = field(default="auto", metadata=_choices(*DTYPES))  # auto: bfloat16 on NPU/CUDA, float32 on CPU
     device: str = field(default="auto", metadata=_choices(*DEVICES))
     exe_mode: str = field(default="eager", metadata=_choices(*EXE_MODES))
     enable_superkernel: bool | None = None  # None: take custom_params.enable_superkernel, else off
     enable_cache_compile: bool = False
     cache_dir: str = ""  # "" = ~/.cache/cann-recipes-infer/compile
-    enable_static_kernel: bool = False  # npugraph_ex's static kernel compile; npugraph_ex only
+    enable_static_kernel: bool = False  # npugraph_ex's static_kernel_compile option (independent of SK)
     enable_profiler: bool = False
     output_path: str = ""  # results directory; "" = models/<recipe>/res/<date>/<case>/ (--out wins)
     seed: int = 0

@@ -37,6 +37,8 @@ def load_prompts(dc: DataConfig, batch_size: int) -> list[str]:
 
 
 def _longbench(root: Path) -> list[str]:
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"data_config.dataset_path {root} is a file, not the directory of a LongBench copy")
     files = sorted(root.rglob("*.jsonl")) if root.is_dir() else []
     if not files:
         raise ConfigError(

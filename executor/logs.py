@@ -19,6 +19,7 @@ CRLF line endings.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -114,6 +115,12 @@ _AVG = re.compile(
 )
 _TPS = re.compile(_NAME + r"\s+decode throughput is\s*" + _NUM + r"\s*tokens/s", _F)
 _SHAPE = re.compile(_NAME + r"\s+batch[ _]size is\s*(?P<bs>\d+)\s*,\s*decode[ _]steps is\s*(?P<steps>\d+)", _F)
+# A timing line whatever its value: what the strict patterns above refuse ("nan ms", "inf ms",
+# "-- ms") is reported as a rejected line instead of vanishing.
+_TIMING_ANY = re.compile(
+    r"(?:inference time cost (?:of (?:prefill|decode) )?is|decode throughput is)\s*(?P<value>\S*?)\s*(?:ms|tokens/s)\b",
+    _F,
+)
 
 
 @dataclass
@@ -130,6 +137,16 @@ class ParsedLog:
     tokens_per_s: float | None = None  # last "decode throughput is" line
     batch_size: int | None = None
     decode_steps: int | None = None
+    rejected: list[tuple[int, str]] = field(default_factory=list)  # (line number, why): unusable timing lines
+    lines_ignored: int = 0  # lines with no timing at all (logger output, prompts, ...)
+
+    def check_timings(self) -> None:
+        """Raise LogParseError naming the first timing line that is not a positive finite number
+        (a negative, zero, infinite or NaN step time), with how many such lines the log has."""
+        if self.rejected:
+            line, why = self.rejected[0]
+            more = f" ({len(self.rejected)} such lines in this log)" if len(self.rejected) > 1 else ""
+            raise LogParseError(f"{self.path or '<log text>'}:{line}: {why}{more}; timings must be positive numbers")
 
     def step_ms(self) -> float:
         """Decode latency per step, from the most detailed evidence the log holds.
@@ -158,26 +175,39 @@ def parse_log(text: str, path: str | None = None) -> ParsedLog:
         if log.model_name is None and m.group("name"):
             log.model_name = m.group("name")
 
-    for raw in _ANSI.sub("", text).splitlines():
+    for number, raw in enumerate(_ANSI.sub("", text).splitlines(), 1):
         line = raw.strip()
-        if m := _DECODE.search(line):
-            log.decode_ms.append(float(m.group("num")))
-        elif m := _PREFILL.search(line):
-            log.prefill_ms_all.append(float(m.group("num")))
-            if log.prefill_ms is None:
-                log.prefill_ms = log.prefill_ms_all[0]
-        elif m := _DECODE_AVG.search(line):
-            log.decode_average_ms = float(m.group("num"))
-        elif m := _AVG.search(line):
-            log.average_ms = float(m.group("num"))
-        elif m := _TPS.search(line):
-            log.tokens_per_s = float(m.group("num"))
-        elif m := _SHAPE.search(line):
-            log.batch_size, log.decode_steps = int(m.group("bs")), int(m.group("steps"))
-        else:
+        m = next((m for m in (rx.search(line) for rx in _TIMINGS) if m), None)
+        if m is not None and not (math.isfinite(value := float(m.group("num"))) and value > 0):
+            log.rejected.append((number, f"{m.group(0).strip()!r}: {value:g} is not a positive time"))
             continue
+        if m is None:
+            if loose := _TIMING_ANY.search(line):
+                log.rejected.append((number, f"{loose.group(0).strip()!r}: {loose.group('value')!r} is not a number"))
+            elif m := _SHAPE.search(line):
+                log.batch_size, log.decode_steps = int(m.group("bs")), int(m.group("steps"))
+                name(m)
+            else:
+                log.lines_ignored += 1
+            continue
+        if m.re is _DECODE:
+            log.decode_ms.append(value)
+        elif m.re is _PREFILL:
+            log.prefill_ms_all.append(value)
+            if log.prefill_ms is None:
+                log.prefill_ms = value
+        elif m.re is _DECODE_AVG:
+            log.decode_average_ms = value
+        elif m.re is _AVG:
+            log.average_ms = value
+        else:
+            log.tokens_per_s = value
         name(m)
     return log
+
+
+# In the order a line is tried: a decode line must never be taken for a prefill or average line.
+_TIMINGS = (_DECODE, _PREFILL, _DECODE_AVG, _AVG, _TPS)
 
 
 def parse_log_file(path) -> ParsedLog:

@@ -30,20 +30,37 @@ class OutputDirError(RecipeError):
     """An output directory that cannot be used: a file, not writable, or another run's results."""
 
 
+# The file that marks a directory as holding a command's results, and whose they are.
+RESULT_MARKERS = {
+    "metrics.json": "a run of bash infer.sh",
+    "results.json": "an sk_compare report",
+    "search_status.json": "a scope_search search",
+}
+
+
 @contextlib.contextmanager
-def claim_output_dir(out: Path, results: str, option: str = "--out") -> Iterator[Path]:
+def claim_output_dir(
+    out: Path, results: str | None, option: str = "--out", resumes: str | None = None
+) -> Iterator[Path]:
     """Create `out` and hold it for one command while the `with` block runs.
 
     A directory that already holds a finished run's `results` file is refused, so two runs
-    given the same --out never overwrite each other's results; one that another live process is
-    writing to is refused too (an flock on `out/.lock`, released when the command ends, also if
-    it crashes). A run that failed before writing its results leaves the directory usable."""
+    given the same --out never overwrite each other's results, and so is one holding another
+    command's results (RESULT_MARKERS), except the marker `resumes` of a command that continues
+    its own unfinished work there (scope_search). One that another live process is writing to
+    is refused too (an flock on `out/.lock`, released when the command ends, also if it
+    crashes). A run that failed before writing its results leaves the directory usable."""
     if out.exists() and not out.is_dir():
         raise OutputDirError(f"{option} {out} is a file, not a directory")
-    if (out / results).exists():
+    if results is not None and (out / results).exists():
         raise OutputDirError(
             f"{option} {out} already holds a run ({results} exists); choose another directory or remove that one"
         )
+    for marker, whose in RESULT_MARKERS.items():
+        if marker not in (results, resumes) and (out / marker).exists():
+            raise OutputDirError(
+                f"{option} {out} holds the results of {whose} ({marker} exists); choose another directory"
+            )
     try:
         out.mkdir(parents=True, exist_ok=True)
         lock = open(out / ".lock", "w")  # noqa: SIM115 (held until the block ends)

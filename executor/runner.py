@@ -35,21 +35,20 @@ from typing import TextIO
 
 import torch
 
-from executor import logs, ops
-from executor.arch import ArchError, ModelArch, load_arch
-from executor.backends.base import Backend, CompiledStep
-from executor.compile import select_backend
+from executor import logs, memory, numerics, ops, preflight
+from executor.arch import ModelArch
+from executor.backends.base import Backend, CompiledStep, DecodeSpec
+from executor.compile import resolve_dtype, select_backend
 from executor.config import ConfigError, RunConfig, to_dict
 from executor.context import ExecutionContext
 from executor.datasets import load_prompts
 from executor.kv_cache import KVCache
 from executor.loader import init_random, load_weights
 from executor.parallel import runtime
-from executor.parallel.layout import check_arch
+from executor.parallel.groups import Parallel
 from executor.paths import results_dir
 from executor.platform import Platform, software_versions, timer
-from executor.registry import resolve_model_path
-from executor.scope import NO_PLAN, PREFILL_SCOPES, ScopePlan, ScopeRunner, build_plan
+from executor.scope import PREFILL_SCOPES, ScopeRunner
 from executor.tokenizer import BUILTIN_TOKENIZER, Tokenizer, TokenizerError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -76,7 +75,11 @@ class ModelRunner:
     recipe = "base"
     model_types: tuple[str, ...] = ()
 
-    def build_model(self, arch: ModelArch) -> torch.nn.Module:  # overridden by each recipe
+    def build_model(self, arch: ModelArch, parallel: Parallel) -> torch.nn.Module:
+        """Overridden by each recipe: this rank's part of the model. Must depend on its arguments
+        only: the pre-flight also calls it on an uninitialised runner, under the meta device and
+        with a `Parallel` that has no process groups, for the regions and this rank's parameter
+        count."""
         raise NotImplementedError
 
     def remap_weights(self, state: dict) -> dict:
@@ -87,36 +90,61 @@ class ModelRunner:
         self.cfg, self.platform, self.out_dir = cfg, platform, out_dir
         self.stream = stream or sys.stdout
         mc = cfg.model_config
-        self.name, self.dtype = mc.model_name, DTYPES[mc.dtype]
-        self.device = torch.device(platform.kind)
-        self.model_path = resolve_model_path(self.recipe, mc.model_path)
-        self.arch = load_arch(self.model_path, mc.debug_size)
-        if self.model_types and self.arch.model_type not in self.model_types:
-            raise ArchError(
-                f"{self.arch.source}: model_type {self.arch.model_type!r} does not belong to the "
-                f"{self.recipe} recipe (it runs {', '.join(self.model_types)})"
-            )
-        self.parallel = runtime.parallel_for(cfg.parallel_config, platform)
-        check_arch(self.parallel.layout, self.arch)
+        self.name = mc.model_name
+        self.dtype_name = resolve_dtype(mc.dtype, platform)  # first: float32 on NPU stops before anything is read
+        self.dtype = DTYPES[self.dtype_name]
+        # config.json, recipe match, scope plan, memory estimate, compile cache: before anything is allocated
+        pre = preflight.check(self, cfg, platform, self.dtype)
+        self.model_path, self.arch, self.plan, self.memory = pre.model_path, pre.arch, pre.plan, pre.memory
+        self.parallel = runtime.parallel_for(cfg.parallel_config, platform)  # process groups (world size 1: none)
         torch.manual_seed(mc.seed)
-        self.use_backend(select_backend(mc, platform))
-        self.model = self.build_model(self.arch).to(self.dtype)
+        self.model = self.build_model(self.arch, self.parallel).to(self.dtype)
+        # The backend is chosen once the plan is known (the compile cache is keyed on it) and
+        # before any weight is read, so an impossible request costs no loading time.
+        self.use_backend(select_backend(self.decode_spec(), platform))
         if mc.with_ckpt:
             load_weights(self.model, self.model_path, self.dtype, self.remap_weights)
         else:
             init_random(self.model, mc.seed)
+        # Only now: on Ascend "npu" names a device once the backend has imported torch_npu.
+        self.device = torch.device(platform.kind)
         self.model.to(self.device).eval()
         self.tokenizer = Tokenizer.from_file(self._tokenizer_path())
-        sk = mc.superkernel
-        self.plan: ScopePlan = (
-            build_plan(self.model.regions(), sk.plan, sk.options, sk.custom, mc.model_name)
-            if mc.superkernel_enabled
-            else NO_PLAN
-        )
+        preflight.check_vocab(self.arch, self.tokenizer.vocab_size, str(self.tokenizer.path))
         self.decode_scopes = ScopeRunner(self.plan, active=True)
         self.cache: KVCache | None = None
         self.truncation: list[dict] = []  # per row: prompt tokens given and kept, set by encode_prompts
         self.now = timer(platform)
+
+    @property
+    def max_len(self) -> int:
+        """Static KV-cache slots: the longest prompt kept plus every generated token."""
+        return self.cfg.data_config.input_truncated_len + self.cfg.scheduler_config.max_new_tokens
+
+    def decode_spec(self) -> DecodeSpec:
+        """What the decode step is compiled for: this run's static shapes, dtype, plan and device."""
+        cfg, p = self.cfg, self.parallel
+        batch = cfg.scheduler_config.batch_size // p.layout.attn_dp  # this rank's attention-DP share of the rows
+        return DecodeSpec(
+            cfg.model_config,
+            self.arch,
+            self.dtype_name,
+            batch,
+            self.max_len,
+            self.plan,
+            self.platform.device_name,
+            p.layout,
+            p.rank,
+        )
+
+    @classmethod
+    def check_before_run(cls, cfg: RunConfig, platform: Platform, ranks_here: int | None = None) -> preflight.Preflight:
+        """What __init__ checks before allocating, without building anything: the tools ask this
+        for every side before the first run, the launcher before it starts the ranks
+        (`ranks_here`: how many it starts on this machine)."""
+        runner = cls.__new__(cls)  # build_model uses no state: only a meta-device model is built
+        dtype = DTYPES[resolve_dtype(cfg.model_config.dtype, platform)]
+        return preflight.check(runner, cfg, platform, dtype, ranks_here)
 
     def use_backend(self, backend: Backend) -> None:
         """Run the decode step with `backend` from now on (compiled on next use): the same model
@@ -153,12 +181,11 @@ class ModelRunner:
         The cache is sized from config only, so every call has the same shapes (no recompiles).
         Reusing it is safe: each slot a query can see is rewritten by prefill before it is read."""
         if self.cache is None or self.cache.k[0].shape[0] != batch:
-            max_len = self.cfg.data_config.input_truncated_len + self.cfg.scheduler_config.max_new_tokens
             self.cache = KVCache(
                 len(self.model.layers),
                 batch,
                 self.parallel.layout.kv_heads_per_rank(self.arch.num_kv_heads),
-                max_len,
+                self.max_len,
                 self.arch.head_dim,
                 self.dtype,
                 self.device,
@@ -194,7 +221,16 @@ class ModelRunner:
             used += len(p)
         return [*groups, (start, len(prompt_ids))]
 
-    def _prefill_rows(self, prompt_ids: list[list[int]], start: int, stop: int, width: int = 0) -> torch.Tensor:
+    def _prefill_rows(
+        self,
+        prompt_ids: list[list[int]],
+        start: int,
+        stop: int,
+        width: int = 0,
+        scopes: ScopeRunner = PREFILL_SCOPES,
+    ) -> torch.Tensor:
+        """Prefill rows [start, stop), right-padded to at least `width` tokens; `scopes` is
+        replaced only by the NaN locator's region tracker."""
         rows = prompt_ids[start:stop]
         lengths = torch.tensor([len(p) for p in rows], device=self.device)
         width = max(width, int(lengths.max()))
@@ -202,7 +238,7 @@ class ModelRunner:
         for i, p in enumerate(rows):
             ids[i, : len(p)] = torch.tensor(p)
         positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
-        hidden = self.model(ids, positions, self.cache.rows(start, stop), PREFILL_SCOPES)
+        hidden = self.model(ids, positions, self.cache.rows(start, stop), scopes)
         return self.model.logits(hidden[torch.arange(len(rows)), lengths - 1])  # (b, V)
 
     def decode_one(self, token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -235,7 +271,15 @@ class ModelRunner:
         b = len(prompt_ids)
         with self.context.active():
             self.prepare(b)
-            pre = self.prefill(prompt_ids, width=max(len(p) for p in all_rows))
+            width = max(len(p) for p in all_rows)
+            pre = self.prefill(prompt_ids, width=width)
+            self.check_finite(
+                pre.logits,
+                "prefill",
+                lambda scopes: [
+                    self._prefill_rows(prompt_ids, *rows, width, scopes) for rows in self._prefill_groups(prompt_ids)
+                ],
+            )
             if on_prefill:
                 on_prefill(pre.ms)
             token = pre.logits.argmax(-1, keepdim=True)  # (B, 1)
@@ -245,6 +289,11 @@ class ModelRunner:
                 t0 = self.now()
                 logits = self.decode_one(token, pos)
                 step_ms.append((self.now() - t0) * 1e3)
+                self.check_finite(
+                    logits,
+                    f"decode step {i + 1}",
+                    lambda scopes, token=token, pos=pos: self.model(token, pos, self.cache, scopes),
+                )
                 token = logits.argmax(-1, keepdim=True)
                 out.append(token)
                 pos += 1
@@ -253,6 +302,26 @@ class ModelRunner:
         tokens = runtime.gather_rows(torch.cat(out, dim=1).tolist(), self.parallel)
         first, last = (runtime.gather_row_tensor(t, self.parallel) for t in (pre.logits, logits))
         return Generation(all_rows, tokens, pre.ms, step_ms, first, last)
+
+    def check_finite(self, logits: torch.Tensor, step: str, rerun: Callable[[numerics.RegionTracker], object]) -> None:
+        """Stop at the first step whose (B, V) logits hold NaN or inf, naming the step and the
+        region where it first appeared (found by re-running the step eagerly with `rerun`)."""
+        row = numerics.first_bad_row(logits)
+        if row is None:
+            return
+        mc = self.cfg.model_config
+        if self.parallel.layout.attn_dp > 1:
+            # Only this attention-DP group's rows are bad: re-running the step here alone would
+            # issue collectives the other ranks never match.
+            where = "not located (attention data parallel: the other ranks do not re-run the step)"
+        else:  # every rank holds the same logits, so every rank re-runs the step and its collectives
+            where = numerics.locate(rerun)
+        first = self.parallel.local_rows(self.cfg.scheduler_config.batch_size)[0]  # this rank's rows in the batch
+        weights = f"checkpoint {self.model_path}" if mc.with_ckpt else f"random weights (seed {mc.seed})"
+        raise numerics.NonFiniteError(
+            f"{numerics.kind_of(logits[row])} in the logits at {step}, row {first + row}: {where}; "
+            f"weights: {weights}, dtype {mc.dtype}"
+        )
 
     def encode_prompts(self) -> list[list[int]]:
         """Token ids per row, each cut to its last `input_truncated_len` tokens; a cut is logged
@@ -274,9 +343,11 @@ class ModelRunner:
     def run(self) -> dict:
         sc, mc = self.cfg.scheduler_config, self.cfg.model_config
         prompt_ids = self.encode_prompts()
+        self.log(self.memory.describe())
         self.log(
             f"[run] {mc.model_name}: {self.arch.model_type} from {self.arch.source}, "
-            f"{'checkpoint' if mc.with_ckpt else 'random'} weights, {mc.dtype}, platform {self.platform.describe()}, "
+            f"{'checkpoint' if mc.with_ckpt else 'random'} weights, {self.dtype_name}, "
+            f"platform {self.platform.describe()}, "
             f"exe_mode {mc.exe_mode}, superkernel {'plan ' + self.plan.name if mc.superkernel_enabled else 'off'}"
         )
         # Warm-up on the same shapes: compiles the decode step (idempotent: same tokens, same slots).
@@ -331,6 +402,7 @@ class ModelRunner:
             if self.platform.kind == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         )
+        measured, measured_by = memory.measured_peak(self.platform.kind)
         ran = bool(report.superkernel_ran) and mc.superkernel_enabled
         return {
             "model_name": mc.model_name,
@@ -345,7 +417,7 @@ class ModelRunner:
             "torch_version": torch.__version__,
             "exe_mode": mc.exe_mode,
             "backend": report.backend,
-            "dtype": mc.dtype,
+            "dtype": self.dtype_name,  # resolved (config may say auto)
             "ops": ops.implementations(self.context.op_table),
             "superkernel": {
                 "requested": mc.superkernel_enabled,
@@ -364,6 +436,7 @@ class ModelRunner:
             "decode_ms_average": logs.decode_average_ms(gen.decode_ms) if gen.decode_ms else None,
             "tokens_per_s": tps,
             "peak_memory_mb": round(peak, 1),
+            "memory": self.memory.to_metrics(measured, measured_by),  # estimate (checked before allocating) vs peak
             **self._parallel_metrics(peak),
             "prompt_token_ids": gen.prompt_ids,
             "prompt_truncation": self.truncation,  # tokens given / kept per row (data_config.input_truncated_len)

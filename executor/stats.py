@@ -3,7 +3,10 @@
 The SuperKernel workflow asks for 3-5 runs per side, the decode-step latency, the
 improvement (base - opt) / base, and a stability verdict from the coefficient of
 variation. These helpers implement exactly that, plus one guard the workflow leaves
-implicit: a speedup smaller than the run-to-run noise is not a speedup.
+implicit: a speedup smaller than the noise is not a speedup. With several runs a side the
+noise is the run-to-run spread (`exceeds_noise`); with one run a side (two upstream logs) it
+is the step-to-step spread of the per-step samples (`per_step_difference`);
+`judge_difference` picks the method and says which one decided.
 """
 
 from __future__ import annotations
@@ -11,11 +14,15 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
+import numpy as np
+
 __all__ = [
     "cv_percent",
     "exceeds_noise",
     "improvement_percent",
+    "judge_difference",
     "median",
+    "per_step_difference",
     "stability_verdict",
     "throughput_gain_percent",
 ]
@@ -103,3 +110,78 @@ def exceeds_noise(base_runs: Sequence[float], opt_runs: Sequence[float]) -> bool
     if abs(median(opt) - median(base)) <= 2.0 * noise:
         return False
     return not (len(base) >= 3 and len(opt) >= 3 and not (max(opt) < min(base) or max(base) < min(opt)))
+
+
+BOOTSTRAP_RESAMPLES = 4000
+BOOTSTRAP_SEED = 0  # fixed: the same logs always give the same verdict
+MIN_STEPS = 5  # fewer per-step samples a side than this give no usable interval of the median
+
+
+def per_step_difference(base_steps: Sequence[float], opt_steps: Sequence[float], level: float = 0.95) -> dict:
+    """Bootstrap interval of median(opt) - median(base) over per-step samples (ms).
+
+    Why a bootstrap of the median: decode-step times are skewed (a step is only ever slowed
+    down), medians ignore the odd slow step, and the percentile bootstrap needs no assumption
+    about the distribution. The samples of each side are resampled independently
+    (BOOTSTRAP_RESAMPLES times, seed BOOTSTRAP_SEED); the difference is real at `level` when the
+    interval excludes 0. Callers pass the samples after the IQR rule. What it cannot see: a
+    whole run being slower than another (machine state), which only several runs a side show.
+    """
+    b = np.asarray(_floats(base_steps, "per_step_difference (base)"))
+    o = np.asarray(_floats(opt_steps, "per_step_difference (opt)"))
+    rng = np.random.default_rng(BOOTSTRAP_SEED)
+    boot_b = np.median(b[rng.integers(0, len(b), size=(BOOTSTRAP_RESAMPLES, len(b)))], axis=1)
+    boot_o = np.median(o[rng.integers(0, len(o), size=(BOOTSTRAP_RESAMPLES, len(o)))], axis=1)
+    tail = (1.0 - level) / 2 * 100
+    low, high = (float(x) for x in np.percentile(boot_o - boot_b, [tail, 100 - tail]))
+    return {
+        "difference_ms": float(np.median(o) - np.median(b)),
+        "interval_ms": [low, high],
+        "level": level,
+        "exceeds_noise": low > 0 or high < 0,
+        "samples": [len(b), len(o)],
+    }
+
+
+def judge_difference(
+    base_runs: Sequence[float],
+    opt_runs: Sequence[float],
+    base_steps: Sequence[float] = (),
+    opt_steps: Sequence[float] = (),
+) -> dict:
+    """Is opt different from base beyond noise, and by which method? (exceeds_noise, method, detail)
+
+    - 2+ runs on both sides: the run-to-run rule (`exceeds_noise`), the workflow's own;
+    - otherwise, with >= MIN_STEPS per-step samples a side (after the IQR rule, pooled over the
+      runs): the per-step bootstrap (`per_step_difference`);
+    - otherwise (one run a side and only an average line in a log): `exceeds_noise`, which can
+      only show a difference when one side has several runs; the method says so.
+    """
+    if len(base_runs) >= 2 and len(opt_runs) >= 2:
+        rule = "|median difference| > 2 x the larger run std" + (
+            " and the run ranges do not overlap" if len(base_runs) >= 3 and len(opt_runs) >= 3 else ""
+        )
+        return {
+            "exceeds_noise": exceeds_noise(base_runs, opt_runs),
+            "method": f"run-to-run ({len(base_runs)} vs {len(opt_runs)} runs): {rule}",
+        }
+    if len(base_steps) >= MIN_STEPS and len(opt_steps) >= MIN_STEPS:
+        d = per_step_difference(base_steps, opt_steps)
+        low, high = d["interval_ms"]
+        return {
+            "exceeds_noise": d["exceeds_noise"],
+            "method": (
+                f"per-step bootstrap ({len(base_steps)} vs {len(opt_steps)} decode steps after the IQR rule; fewer "
+                f"than 2 runs a side): 95% interval of the median difference [{low:+.3f}, {high:+.3f}] ms "
+                f"{'excludes' if d['exceeds_noise'] else 'includes'} 0 (step-to-step noise only; run-to-run "
+                "variation needs --runs 2 or more)"
+            ),
+            "per_step": d,
+        }
+    return {
+        "exceeds_noise": exceeds_noise(base_runs, opt_runs),
+        "method": (
+            f"run-to-run ({len(base_runs)} vs {len(opt_runs)} runs) without per-step samples: a side with one run "
+            "and no per-step lines gives no noise estimate"
+        ),
+    }

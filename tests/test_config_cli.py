@@ -147,6 +147,10 @@ ERROR_CASES = {
     ),
     "with_ckpt_no_path": (["--set", "model_config.with_ckpt=true"], ["model_config.model_path", "with_ckpt"]),
     "npugraph_ex_on_cpu": (["--set", "model_config.exe_mode=npugraph_ex"], ["npugraph_ex", "NPU", "ge_graph"]),
+    "static_kernel_without_npugraph_ex": (
+        ["--set", "model_config.exe_mode=ge_graph", "--set", "model_config.enable_static_kernel=true"],
+        ["model_config.enable_static_kernel", "npugraph_ex"],
+    ),
     "device_npu_on_cpu": (["--set", "model_config.device=npu"], ["device='npu'"]),
     "set_without_equals": (
         ["--set", "scheduler_config.max_new_tokens"],
@@ -273,6 +277,8 @@ def test_default_infer_sh_log_format_and_metrics(tmp_path):
     assert m["decode_ms_median"] == statistics.median(m["decode_ms"])
     assert m["tokens_per_s"] == pytest.approx(3 / (sum(m["decode_ms"]) / 1e3))
     assert m["prefill_ms"] > 0 and m["peak_memory_mb"] > 0
+    mem = m["memory"]  # the estimate made before allocating, within a sane factor of the measured peak
+    assert mem["checked"] and 0.5 <= mem["estimate_mb"]["peak"] / mem["measured_peak_mb"] <= 2.0, mem
     assert len(m["generated_token_ids"]) == 1 and len(m["generated_token_ids"][0]) == 4
     assert isinstance(m["text"], list) and isinstance(m["text"][0], str)
     assert (out / "infer.log").read_text().splitlines()[: len(lines)] == lines
@@ -309,7 +315,7 @@ def test_overrides_are_type_checked():
         ("model_config.with_ckpt=1", "expected true or false"),
         ("data_config.prompts=hello", "expected a list of str"),
         ("model_config=3", "model_config: expected a mapping"),
-        ("model_config.dtype=fp8", "allowed values: float32, bfloat16, float16"),
+        ("model_config.dtype=fp8", "allowed values: auto, float32, bfloat16, float16"),
         ("scheduler_config.batch_size=0", "must be >= 1"),
         ("nope.x=1", "nope: unknown key; allowed keys: model_config, data_config"),
     ):

@@ -285,7 +285,8 @@ def test_enable_cache_compile_second_run_compiles_faster(tmp_path, qwen3_ckpt):
         if i == 0:
             assert any(cache.rglob("*")), "the first run left nothing in cache_dir"
     first, second = (r["compile"] for r in runs)
-    assert first["cache_dir"] == second["cache_dir"] == str(cache) and second["cache_enabled"] is True
+    assert first["cache_dir"] == second["cache_dir"] and second["cache_enabled"] is True  # same key, same dir
+    assert Path(first["cache_dir"]).parent == cache and first["cache_key"] == second["cache_key"]
     assert first["graphs"] == second["graphs"] == 1 and first["recompiles"] == second["recompiles"] == 0
     assert runs[0]["generated_token_ids"] == runs[1]["generated_token_ids"]
     assert second["compile_s"] < 0.7 * first["compile_s"], (first["compile_s"], second["compile_s"])

@@ -1,49 +1,36 @@
-"""Contract tests of executor/backends/npu.py against recording torch_npu/torchair doubles.
+"""Contract tests of executor/backends/npu.py's fused-op table and dtype rule, against recording doubles.
 
-No NPU exists in CI, so the adapter is pinned call by call: every argument the documented APIs
-need (shared/reference/ascend-apis.md), which tuple element is taken, and, because the doubles
-compute each op's documented meaning, that every wrapper returns what executor.ops.reference
-returns. The compile paths run a real tiny Qwen3 decode step through dynamo on CPU with the
-doubles' backends, so scopes, graphs and numbers are real.
+No NPU exists in CI, so the adapter is pinned call by call: every argument the real APIs need
+(their schemas are in tests/data/ascend_facts/, read by the doubles), which tuple element is
+taken, and, because the doubles compute each op's documented meaning, that every wrapper returns
+what executor.ops.reference returns. The doubles themselves are checked against the facts
+files here too, so a double that drifts from the real API fails a test. The compile paths are in
+tests/test_npu_compile.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import types
+import inspect
+import io
 
 import pytest
 import torch
 
 import tests.npu_doubles as nd
 from executor import ops
-from executor.arch import arch_from_dict
 from executor.backends import npu
-from executor.backends.base import EagerBackend
-from executor.compile import UnsupportedError, select_backend
-from executor.config import CustomScope, ModelConfig, SuperKernelConfig
-from executor.context import ExecutionContext
-from executor.kv_cache import KVCache
+from executor.cli import main as cli_main
+from executor.compile import UnsupportedError, resolve_dtype
+from executor.config import load_config
+from executor.loader import LoadError
 from executor.ops import reference
 from executor.platform import Platform, detect
-from executor.scope import NO_PLAN, ScopeRunner, build_plan
-from models.qwen.models.modeling_qwen import QwenForCausalLM
+from models.qwen.models.runner_qwen import QwenRunner
 
-TINY = {
-    "model_type": "qwen3",
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-}
-STATS_KEYS = {"backend", "compile_s", "graphs", "recompiles", "cache_dir", "cache_enabled", "scopes", "superkernel_ran"}
 A3 = Platform("npu", "A3", "Ascend910_9392", "recording doubles")
+CPU = Platform("cpu", None, "cpu", "test")
+CUDA = Platform("cuda", None, "gpu", "test")
+BF16_TOL = {"rtol": 2e-2, "atol": 2e-2}  # bf16 keeps ~3 significant digits; the doubles compute in fp32
 
 
 @pytest.fixture
@@ -61,29 +48,91 @@ def npu_ops(doubles):
         yield doubles.torch_npu
 
 
-def _compile(backend, fn):
-    """Compile `fn` with `backend`; calls run inside the backend's execution context, as the runner's do."""
-    context, step = ExecutionContext.for_backend(backend), backend.compile(fn)
-
-    def run(input_ids, positions):
-        with context.active():
-            return step(input_ids, positions)
-
-    return step, run
-
-
-def _stats(step) -> dict:
-    return dataclasses.asdict(step.report())
-
-
-def _sk_off(mc: ModelConfig) -> ModelConfig:
-    return dataclasses.replace(mc, enable_superkernel=False)
-
-
 def _only(recorder, name):
     calls = recorder.named(name)
     assert len(calls) == 1, f"{name}: {len(calls)} calls"
     return calls[0]
+
+
+# --------------------------------------------------------------------------- the doubles vs the facts files
+def test_scope_op_schemas_are_the_real_ones():
+    ge, ex = nd.SCOPES["ge_graph"], nd.SCOPES["npugraph_ex"]
+    assert str(torch.ops.air.scope_enter.default._schema) == ge["scope_enter"]["schema"]
+    assert str(torch.ops.air.scope_exit.default._schema) == ge["scope_exit"]["schema"]
+    assert str(torch.ops.npu.super_kernel_scope_begin.default._schema) == ex["super_kernel_scope_begin"]["schema"]
+    assert (
+        "need_execute=False" in ge["scope_enter"]["schema"]
+        and "str? scope_name=None" in ex["super_kernel_scope_begin"]["schema"]
+    )
+
+
+@pytest.mark.parametrize("fn", nd._FUSED_OPS, ids=lambda fn: fn.__name__)
+def test_every_double_names_only_arguments_of_its_real_schema(fn):
+    names = [a.name for a in nd.schema(fn.__name__).arguments]
+    params = list(inspect.signature(fn).parameters)
+    assert set(params) <= set(names) and params == [n for n in names if n in params]  # schema order too
+
+
+def test_doubles_bind_calls_like_the_real_binding(npu_ops):
+    q = torch.randn(1, 2, 1, 4, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="pre_tockens"):  # npu_fusion_attention's spelling
+        npu_ops.npu_fused_infer_attention_score(q, q, q, num_heads=2, input_layout="BNSD", pre_tockens=1)
+    with pytest.raises(TypeError, match="positional"):  # everything after value is keyword-only
+        npu_ops.npu_fused_infer_attention_score(q, q, q, None)
+    with pytest.raises(TypeError, match="missing required argument 'gamma'"):
+        npu_ops.npu_rms_norm(q)
+    with pytest.raises(NotImplementedError, match="actual_seq_lengths_kv"):  # no silent default for what it ignores
+        npu_ops.npu_fused_infer_attention_score(q, q, q, num_heads=2, input_layout="BNSD", actual_seq_lengths_kv=[1])
+
+
+def test_fia_double_follows_the_documented_limits(npu_ops):
+    q = torch.randn(1, 2, 1, 4)
+    with pytest.raises(TypeError, match="float32"):
+        npu_ops.npu_fused_infer_attention_score(q, q, q, num_heads=2, input_layout="BNSD")
+    qb = q.bfloat16()
+    with pytest.raises(RuntimeError, match="not contiguous"):
+        npu_ops.npu_fused_infer_attention_score(
+            torch.randn(1, 3, 2, 4, dtype=torch.bfloat16).transpose(1, 2), qb, qb, num_heads=2, input_layout="BNSD"
+        )
+    _out, lse = npu_ops.npu_fused_infer_attention_score(qb, qb, qb, num_heads=2, input_layout="BNSD")
+    assert lse.shape == (1,) and lse.isnan().all()  # garbage unless softmax_lse_flag=True
+    _out, lse = npu_ops.npu_fused_infer_attention_score(
+        qb, qb, qb, num_heads=2, input_layout="BNSD", softmax_lse_flag=True
+    )
+    assert lse.shape == (1, 2, 1, 1) and lse.dtype == torch.float32
+
+
+def test_compiler_config_double_is_strict_and_reads_back_option_objects():
+    cfg = nd.CompilerConfig()
+    ex = cfg.experimental_config
+    ex.frozen_parameter = True
+    assert ex.frozen_parameter.value == "1" and ex.frozen_parameter is not True  # an option object
+    ex.topology_sorting_strategy = "StableRDFS"
+    assert ex.topology_sorting_strategy.value == "StableRDFS"
+    with pytest.raises(ValueError):
+        ex.topology_sorting_strategy = "stable_rdfs"
+    with pytest.raises(ValueError):
+        ex.frozen_parameters = True  # unknown option
+    with pytest.raises(ValueError):
+        ex.enable_single_stream = True  # a ge_config option in torchair, not an experimental one
+    cfg.mode = "npugraph_ex"  # allowed in 2.14.0
+    with pytest.raises(ValueError):
+        cfg.mode = "default"
+
+
+def test_npugraph_ex_double_checks_options_like_the_real_backend():
+    nd.check_npugraph_ex_options({"frozen_parameter": True, "remove_cat_ops": False, "capture_limit": 8})
+    for bad, error in (
+        ({"graph_dump_type": "pbtxt"}, ValueError),  # not an option in 2.14.0
+        ({"static_kernel_compile": 1.5}, ValueError),
+        ({"super_kernel_optimize_options": {"stream-fusion": 1}}, RuntimeError),  # GE spelling, not npugraph_ex's
+        ({"super_kernel_optimize_options": {"dcci_disable_on_kernel": "GroupedMatmul"}}, RuntimeError),  # list[str]
+    ):
+        with pytest.raises(error):
+            nd.check_npugraph_ex_options(bad)
+    nd.check_npugraph_ex_options(
+        {"super_kernel_optimize_options": {"stream_fusion": 1, "dcci_disable_on_kernel": [".*"]}}
+    )
 
 
 # --------------------------------------------------------------------------- fused op wrappers
@@ -127,48 +176,47 @@ def test_rotary_mul_half_mode(npu_ops):
     assert call.args == (x, cos, sin) and call.kwargs == {"rotary_mode": "half"}
     torch.testing.assert_close(y, reference.rotary_mul(x, cos, sin))
     # the double really distinguishes the modes, so the keyword matters
-    assert not torch.allclose(nd.npu_rotary_mul(x, cos, sin, rotary_mode="interleave"), y)
+    assert not torch.allclose(npu_ops.npu_rotary_mul(x, cos, sin, rotary_mode="interleave"), y)
 
 
 def test_attention_arguments_mask_polarity_and_output(npu_ops):
     b, hq, hkv, s, t, d = 2, 4, 2, 3, 6, 8
-    q, k, v = torch.randn(b, hq, s, d), torch.randn(b, hkv, t, d), torch.randn(b, hkv, t, d)
+    bf = torch.bfloat16
+    q = torch.randn(b, s, hq, d, dtype=bf).transpose(1, 2)  # (B, Hq, S, D) as the model passes it: not contiguous
+    k, v = torch.randn(b, hkv, t, d, dtype=bf), torch.randn(b, hkv, t, d, dtype=bf)
     pos = torch.tensor([[2, 3, 4], [0, 1, 2]])  # (B, S)
     mask = torch.arange(t).view(1, 1, 1, t) > pos.view(b, 1, s, 1)  # (B, 1, S, T) True = masked out
     out = ops.attention(q, k, v, mask, 0.3)
     call = _only(npu_ops, "npu_fused_infer_attention_score")
-    assert call.args == (q, k, v)
+    assert torch.equal(call.args[0], q) and call.args[0].is_contiguous() and call.args[1:] == (k, v)
     kw = call.kwargs
     assert kw["atten_mask"] is mask and kw["atten_mask"].dtype == torch.bool
     assert kw["input_layout"] == "BNSD" and kw["scale"] == 0.3
     assert kw["num_heads"] == hq and kw["num_key_value_heads"] == hkv and kw["sparse_mode"] == 0
-    assert kw["pre_tokens"] == kw["next_tokens"] == 2**31 - 1 and "pre_tockens" not in kw
-    assert out.shape == (b, hq, s, d)  # element [0], not the lse
-    torch.testing.assert_close(out, reference.attention(q, k, v, mask, 0.3))
+    assert kw["pre_tokens"] == kw["next_tokens"] == 2**31 - 1 and "softmax_lse_flag" not in kw
+    assert out.shape == (b, hq, s, d) and out.dtype == bf  # element [0], not the lse
+    torch.testing.assert_close(out, reference.attention(q, k, v, mask, 0.3), **BF16_TOL)
     # polarity really matters: the inverted mask gives other numbers
-    assert not torch.allclose(
-        nd.npu_fused_infer_attention_score(
-            q, k, v, atten_mask=~mask, num_heads=hq, num_key_value_heads=hkv, input_layout="BNSD", scale=0.3
-        )[0],
-        out,
-    )
+    inverted = npu_ops.npu_fused_infer_attention_score(
+        q.contiguous(), k, v, atten_mask=~mask, num_heads=hq, num_key_value_heads=hkv, input_layout="BNSD", scale=0.3
+    )[0]
+    assert (inverted.float() - out.float()).abs().max() > 0.1
 
 
-def test_attention_double_rejects_misspelt_keyword(npu_ops):
-    q = torch.randn(1, 2, 1, 4)
-    with pytest.raises(TypeError):
-        npu_ops.npu_fused_infer_attention_score(q, q, q, num_heads=2, input_layout="BNSD", pre_tockens=1)
-
-
-def test_moe_gating_k_and_contract_dtypes(npu_ops):
-    logits = torch.randn(5, 8)
+def test_moe_gating_hands_the_op_float32_logits(npu_ops):
+    """The op returns weights in its input's dtype; the contract is float32 weights from a float32
+    softmax. bf16 logits therefore go in as float32, and the weights match the reference exactly."""
+    logits = torch.randn(5, 8, dtype=torch.bfloat16)
     w, idx = ops.moe_gating_top_k_softmax(logits, 2)
     call = _only(npu_ops, "npu_moe_gating_top_k_softmax")
-    assert call.args == (logits,) and call.kwargs == {"finished": None, "k": 2}
+    assert call.args[0].dtype == torch.float32 and torch.equal(call.args[0], logits.float())
+    assert call.kwargs == {"finished": None, "k": 2}
     ref_w, ref_idx = reference.moe_gating_top_k_softmax(logits, 2)
-    assert w.dtype == ref_w.dtype and idx.dtype == ref_idx.dtype
-    torch.testing.assert_close(w, ref_w)
+    assert w.dtype == ref_w.dtype == torch.float32 and idx.dtype == ref_idx.dtype
+    torch.testing.assert_close(w, ref_w, rtol=0, atol=0)
     assert torch.equal(idx, ref_idx)
+    # what the cast avoids: fed bf16, the op rounds the weights to bf16
+    assert npu_ops.npu_moe_gating_top_k_softmax(logits, None, 2)[0].dtype == torch.bfloat16
 
 
 def test_moe_init_routing_row_idx_and_output_mapping(npu_ops):
@@ -199,252 +247,45 @@ def test_grouped_matmul_group_list_counts(npu_ops):
     torch.testing.assert_close(y, reference.grouped_matmul(x, w, counts))
 
 
-# --------------------------------------------------------------------------- platform and config doubles
+# --------------------------------------------------------------------------- platform and dtype
 def test_detect_npu_with_doubles(doubles):
     p = detect("npu")
     assert (p.kind, p.soc_class, p.device_name) == ("npu", "A3", "Ascend910_9392")
 
 
-def test_compiler_config_double_is_strict_like_torchair():
-    cfg = nd.CompilerConfig()
-    cfg.experimental_config.topology_sorting_strategy = "StableRDFS"
-    with pytest.raises(ValueError):
-        cfg.experimental_config.topology_sorting_strategy = "stable_rdfs"
-    with pytest.raises(ValueError):
-        cfg.experimental_config.frozen_parameters = True  # unknown option
-    with pytest.raises(ValueError):
-        cfg.mode = "default"
+def test_resolve_dtype_auto_per_platform_and_float32_refused_on_npu():
+    assert resolve_dtype("auto", CPU) == "float32" and resolve_dtype("auto", CUDA) == "bfloat16"
+    assert resolve_dtype("auto", A3) == "bfloat16" and resolve_dtype("float16", A3) == "float16"
+    assert resolve_dtype("float32", CPU) == resolve_dtype("float32", CUDA) == "float32"
+    with pytest.raises(UnsupportedError, match=r"model_config\.dtype: float32 cannot run on an Ascend NPU"):
+        resolve_dtype("float32", A3)
+    with pytest.raises(UnsupportedError, match="float16 or bfloat16"):
+        npu.check_dtype("float32")  # the NPU backends check it again themselves
 
 
-def test_scope_factory_rejects_other_modes(doubles):
-    with pytest.raises(ValueError, match="ge_graph, npugraph_ex"):
-        npu.scope_factory("eager")
+def _checkpoint_without_weights(tmp_path, qwen3_ckpt):
+    (tmp_path / "config.json").write_text((qwen3_ckpt / "config.json").read_text())
+    return tmp_path
 
 
-# --------------------------------------------------------------------------- compiling a real tiny decode step
-class TinyDecode:
-    """A tiny Qwen3 with its static cache. `_decode_step` is a bound method of an owner that is
-    not an nn.Module, exactly like ModelRunner._decode_step (the function compile_decode gets)."""
-
-    def __init__(self, plan=NO_PLAN, batch: int = 2, state: dict | None = None):
-        torch.manual_seed(0)
-        arch = arch_from_dict(TINY, "test_npu_adapter.TINY")
-        self.model = QwenForCausalLM(arch).eval()
-        for p in self.model.parameters():  # not the near-identity default init: peaked logits
-            p.data.normal_(0, 0.3)
-        if state is not None:
-            self.model.load_state_dict(state)
-        self.plan = plan
-        self.cache = KVCache(arch.num_layers, batch, arch.num_kv_heads, 8, arch.head_dim, torch.float32)
-        self.scopes = ScopeRunner(plan, active=True)
-
-    def _decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model.logits(self.model(input_ids, positions, self.cache, self.scopes)[:, -1])
-
-    def run(self, step, steps: int = 3, batch: int = 2) -> list[torch.Tensor]:
-        ids = torch.arange(batch).view(batch, 1) + 5
-        out = []
-        with torch.no_grad():
-            for i in range(steps):
-                logits = step(ids, torch.full((batch, 1), i))
-                out.append(logits)
-                ids = logits.argmax(-1, keepdim=True)
-        return out
+def test_float32_on_npu_stops_before_weights_are_loaded(doubles, tmp_path, qwen3_ckpt):
+    """A checkpoint directory without weights: reaching the loader would be a LoadError, so an
+    UnsupportedError proves the dtype was refused first."""
+    ckpt = _checkpoint_without_weights(tmp_path, qwen3_ckpt)
+    sets = [f"model_config.model_path={ckpt}", "model_config.with_ckpt=true"]
+    with pytest.raises(UnsupportedError, match=r"model_config\.dtype: float32"):
+        QwenRunner(load_config(None, [*sets, "model_config.dtype=float32"]), A3)
+    with pytest.raises(LoadError):  # the same run with auto (bfloat16) gets as far as loading
+        QwenRunner(load_config(None, sets), A3)
 
 
-def _setup(plan_name: str = "attention", options: str = "stream-fusion=1", **mc_fields):
-    tiny = TinyDecode()
-    plan = build_plan(tiny.model.regions(), plan_name, options)
-    tiny = TinyDecode(plan, state=tiny.model.state_dict())
-    mc = ModelConfig(
-        exe_mode=mc_fields.pop("exe_mode", "ge_graph"),
-        enable_superkernel=True,
-        superkernel=SuperKernelConfig(plan=plan_name, options=options),
-        **mc_fields,
-    )
-    return tiny, mc
+def test_float32_on_npu_is_exit_2_and_one_line(doubles, capsys):
+    code = cli_main(["run", "--set", "model_config.dtype=float32", "--set", "model_config.device=npu"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: model_config.dtype: float32")
 
 
-def _reference_logits(tiny: TinyDecode, steps: int = 3) -> list[torch.Tensor]:
-    with ops.using("reference"):
-        eager = TinyDecode(NO_PLAN, state=tiny.model.state_dict())
-        return eager.run(eager._decode_step, steps)
-
-
-def _graph_scope_args(gm: torch.fx.GraphModule, op_name: str) -> list:
-    return [list(n.args) for n in gm.graph.nodes if n.op == "call_function" and op_name in str(n.target)]
-
-
-def test_torchair_ge_superkernel_scopes_config_and_numbers(npu_ops, doubles):
-    tiny, mc = _setup()
-    backend = npu.TorchairGEBackend(mc)
-    step, run = _compile(backend, tiny._decode_step)
-    logits = tiny.run(run)
-    for got, want in zip(logits, _reference_logits(tiny)):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    tair = doubles.torchair
-    cfg = _only(tair, "get_npu_backend").kwargs["compiler_config"]
-    ex = cfg.experimental_config
-    assert ex.frozen_parameter is True and ex.tiling_schedule_optimize is True
-    assert ex.topology_sorting_strategy == "StableRDFS"
-    traced = tair.named("npu_backend")
-    assert len(traced) == 1 and traced[0].kwargs["compiler_config"] is cfg  # fullgraph: one graph, our backend
-    labels = ["layer_0_attn", "layer_1_attn"]
-    assert labels == tiny.plan.labels
-    assert tair.super_kernel_calls == [(label, "stream-fusion=1") for label in labels]
-    keys = tuple(nd.SK_KEYS)
-    in_graph = _graph_scope_args(traced[0].args[0], "air.scope_enter")
-    assert in_graph == [[list(keys), [lb, "stream-fusion=1"]] for lb in labels]
-    one_step = [("air.scope_enter", keys, (lb, "stream-fusion=1")) for lb in labels]
-    one_step = [e for pair in zip(one_step, [("air.scope_exit",)] * 2) for e in pair]
-    assert doubles.scope_events == one_step * 3  # scopes executed in every decode step, in order
-    stats = _stats(step)
-    assert set(stats) == STATS_KEYS and backend.name == stats["backend"] == "torchair_ge+superkernel"
-    assert stats["superkernel_ran"] is True and stats["graphs"] == 1 and stats["recompiles"] == 0
-    assert [(s["label"], s["options"]) for s in stats["scopes"]] == [(lb, "stream-fusion=1") for lb in labels]
-    assert stats["compile_s"] > 0 and stats["cache_enabled"] is False and stats["cache_dir"] is None
-
-
-def test_torchair_ge_is_static_and_fullgraph(npu_ops, doubles):
-    tiny, mc = _setup()
-    backend = npu.TorchairGEBackend(_sk_off(mc))
-    step, run = _compile(backend, tiny._decode_step)
-    tiny.run(run, steps=2)
-    tiny.cache = KVCache(2, 3, 2, 8, 8, torch.float32)  # another batch size: a static recompile
-    tiny.run(run, steps=1, batch=3)
-    graphs = [c.args[0] for c in doubles.torchair.named("npu_backend")]
-    assert len(graphs) == 2 and _stats(step)["recompiles"] == 1
-    for gm in graphs:  # dynamic=False: no symbolic sizes even after a shape change
-        for node in gm.graph.nodes:
-            value = node.meta.get("example_value")
-            if isinstance(value, torch.Tensor):
-                assert all(isinstance(s, int) for s in value.shape), node
-    assert doubles.torchair.super_kernel_calls == [] and doubles.scope_events == []
-    assert _stats(step)["superkernel_ran"] is False and backend.name == "torchair_ge"
-
-    def with_break(input_ids, positions):
-        torch._dynamo.graph_break()
-        return tiny._decode_step(input_ids, positions)
-
-    zeros = torch.zeros(3, 1, dtype=torch.long)
-    with pytest.raises(torch._dynamo.exc.Unsupported):  # fullgraph=True: a break is an error
-        _compile(backend, with_break)[1](zeros, zeros)
-
-
-def test_torchair_cache_compile_binds_step_to_a_module(npu_ops, doubles, tmp_path):
-    tiny, mc = _setup(enable_cache_compile=True, cache_dir=str(tmp_path))
-    step, run = _compile(npu.TorchairGEBackend(mc), tiny._decode_step)
-    logits = tiny.run(run)
-    for got, want in zip(logits, _reference_logits(tiny)):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    call = _only(doubles.torchair, "inference.cache_compile")
-    func = call.args[0]
-    assert isinstance(func, types.MethodType) and isinstance(func.__self__, torch.nn.Module)
-    assert func.__self__.model is tiny.model  # parameters resolvable by name on a cache hit
-    assert call.kwargs["cache_dir"] == str(tmp_path / "torchair") and call.kwargs["ge_cache"] is True
-    assert call.kwargs["dynamic"] is False and call.kwargs["fullgraph"] is True
-    assert call.kwargs["config"].experimental_config.frozen_parameter is True
-    assert not doubles.torchair.named("get_npu_backend")
-    stats = _stats(step)
-    assert stats["cache_dir"] == str(tmp_path / "torchair") and stats["cache_enabled"] is True
-    assert stats["superkernel_ran"] is True
-
-
-def test_compile_npugraph_ex_options_and_scopes(npu_ops, doubles):
-    tiny, mc = _setup("layer", exe_mode="npugraph_ex")
-    backend = npu.NpuGraphExBackend(mc)
-    step, run = _compile(backend, tiny._decode_step)
-    logits = tiny.run(run, steps=2)
-    for got, want in zip(logits, _reference_logits(tiny, steps=2)):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    call = _only(doubles.torch_npu, "npugraph_ex_backend")
-    assert call.kwargs["options"] == {
-        "frozen_parameter": True,
-        "static_kernel_compile": True,
-        "super_kernel_optimize": True,
-        "super_kernel_optimize_options": {"stream_fusion": 1},
-    }
-    labels = ["layer_0", "layer_1"]
-    assert _graph_scope_args(call.args[0], "super_kernel_scope_begin") == [[lb] for lb in labels]
-    one_step = [e for lb in labels for e in (("npu.super_kernel_scope_begin", lb), ("npu.super_kernel_scope_end", lb))]
-    assert doubles.scope_events == one_step * 2
-    assert doubles.torchair.super_kernel_calls == []  # torchair scopes do nothing in this mode
-    stats = _stats(step)
-    assert set(stats) == STATS_KEYS and stats["superkernel_ran"] is True and backend.name == "npugraph_ex+superkernel"
-    assert [s["label"] for s in stats["scopes"]] == labels
-
-
-def test_compile_npugraph_ex_without_superkernel_has_no_sk_keys(npu_ops, doubles):
-    tiny, mc = _setup(exe_mode="npugraph_ex")
-    tiny.run(_compile(npu.NpuGraphExBackend(_sk_off(mc)), tiny._decode_step)[1], steps=1)
-    options = _only(doubles.torch_npu, "npugraph_ex_backend").kwargs["options"]
-    assert options == {"frozen_parameter": True, "static_kernel_compile": True}
-
-
-@pytest.mark.parametrize(
-    "options, custom",
-    [
-        ("feed-sync-all=1", ()),
-        (
-            "stream-fusion=1",
-            (
-                CustomScope(("layer_0_attn",), "a", "stream-fusion=0"),  # 0 here, 1 inherited below
-                CustomScope(("layer_1_attn",), "b", ""),
-            ),
-        ),
-    ],
-)
-def test_compile_npugraph_ex_refuses_options_it_cannot_honour(doubles, options, custom):
-    sk = SuperKernelConfig(plan="custom" if custom else "attention", options=options, custom=custom)
-    with pytest.raises(UnsupportedError, match="feed-sync-all" if not custom else "disagree"):
-        mc = ModelConfig(exe_mode="npugraph_ex", enable_superkernel=True, superkernel=sk)
-        npu.NpuGraphExBackend(mc).compile(lambda a, b: a)
-    assert not doubles.torch_npu.named("npugraph_ex_backend")
-
-
-def test_compile_npugraph_ex_has_no_compile_cache(doubles):
-    with pytest.raises(UnsupportedError, match="enable_cache_compile"):
-        npu.NpuGraphExBackend(ModelConfig(exe_mode="npugraph_ex", enable_cache_compile=True))
-
-
-def test_select_backend_npu_branch(doubles):
-    tiny, mc = _setup()
-    backend = select_backend(mc, A3)
-    assert isinstance(backend, npu.TorchairGEBackend) and backend.op_table == "npu"
-    with ExecutionContext.for_backend(backend).active():
-        assert ops.active() == "npu"
-    assert ops.active() == "reference"  # the context restores the process-wide table
-    step, run = _compile(backend, tiny._decode_step)
-    tiny.run(run, steps=1)
-    assert backend.name == "torchair_ge+superkernel" and _stats(step)["superkernel_ran"] is True
-    assert [s["label"] for s in _stats(step)["scopes"]] == ["layer_0_attn", "layer_1_attn"]
-    eager = select_backend(dataclasses.replace(mc, exe_mode="eager", enable_superkernel=False), A3)
-    assert isinstance(eager, EagerBackend) and eager.op_table == "npu"
-
-
-def test_cache_compile_takes_the_real_runner_decode_step(doubles, qwen3_ckpt, make_qwen_runner, tmp_path):
-    """ModelRunner._decode_step is not an nn.Module method; the adapter must still hand
-    torchair.inference.cache_compile one whose module owns the runner's model."""
-    runner = make_qwen_runner(
-        qwen3_ckpt,
-        "model_config.exe_mode=ge_graph",
-        "model_config.enable_cache_compile=true",
-        f"model_config.cache_dir={tmp_path}",
-        "model_config.enable_superkernel=true",
-        "model_config.superkernel.plan=layer",
-        max_new_tokens=4,
-    )
-    prompt = [runner.tokenizer.encode("The weather today is")]
-    runner.use_backend(EagerBackend())
-    want = runner.generate(prompt, 4)
-    runner.use_backend(npu.select_backend(runner.cfg.model_config))
-    got = runner.generate(prompt, 4)
-    assert got.token_ids == want.token_ids
-    torch.testing.assert_close(got.last_logits, want.last_logits, rtol=1e-4, atol=1e-4)
-    func = _only(doubles.torchair, "inference.cache_compile").args[0]
-    assert isinstance(func.__self__, torch.nn.Module) and func.__self__.model is runner.model
-    names = {f"model.{k}" for k, _ in runner.model.named_parameters()}
-    assert dict(func.__self__.named_parameters()).keys() == names
-    traced = sorted({label for label, _ in doubles.torchair.super_kernel_calls})
-    assert traced == runner.plan.labels == ["layer_0", "layer_1"]
-    assert runner.step.report().superkernel_ran is True
+def test_auto_is_float32_on_cpu_as_before():
+    runner = QwenRunner(load_config(None, ["scheduler_config.max_new_tokens=2"]), CPU, stream=io.StringIO())
+    assert runner.cfg.model_config.dtype == "auto" and runner.dtype == torch.float32
+    assert runner.decode_spec().dtype == "float32" and runner.model.lm_head.weight.dtype == torch.float32

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -189,7 +190,8 @@ def test_moe_batch_rows_pick_different_experts(one_device):
 )
 def test_each_rank_holds_its_share_of_the_weights(ranks, one_device, name, halved):
     """The split parameters are half their one-device size on each rank, the rest replicated, and
-    both ranks hold the same number of bytes."""
+    both ranks hold the same number of bytes; the pre-flight's memory estimate of a rank (made
+    before anything was allocated) is exactly its weights and KV cache."""
     got, whole = ranks[name], one_device[JOBS[name][1]]["shapes"]
     assert set(got["param_shapes"]) == set(whole)
     for param, shape in got["param_shapes"].items():
@@ -197,6 +199,10 @@ def test_each_rank_holds_its_share_of_the_weights(ranks, one_device, name, halve
         split = any(f"{part}." in param or param.endswith(part) for part in halved)
         assert n * (2 if split else 1) == n_full, (param, shape, whole[param])
     assert len(set(got["param_bytes_per_rank"])) == 1
+    whole_runner = one_device[JOBS[name][1]]["runner"]
+    for param_bytes, memory in zip(got["param_bytes_per_rank"], got["memory_per_rank"]):
+        assert memory["weights"] == param_bytes < whole_runner.memory.weights
+        assert memory["kv_cache"] == memory["kv_cache_allocated"] == whole_runner.memory.kv_cache // 2
 
 
 # ----------------------------------------------------------------------------- failures
@@ -213,19 +219,42 @@ def infer(*args: str, **kw) -> subprocess.Popen:
     )
 
 
-def test_a_rank_with_a_user_error_ends_the_job_with_its_line(tmp_path, qwen3_ckpt):
+def test_a_user_error_the_launcher_can_see_stops_before_any_rank_starts(tmp_path, qwen3_ckpt):
+    """The pre-flight (config.json, recipe, layout, memory of every rank) runs before torchrun."""
     proc = infer(
         "--model", "qwen3_moe", "--set", f"model_config.model_path={qwen3_ckpt}",
-        "--set", "model_config.with_ckpt=true",
+        "--set", "model_config.with_ckpt=true", *(f"--set={s}" for s in DENSE_TP), "--out", str(tmp_path),
+    )  # fmt: skip
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "does not belong to the qwen3_moe recipe" in lines[0], err
+    assert not lines[0].startswith("error: rank ") and not list(tmp_path.glob("rank_*.log"))
+
+
+def test_a_rank_with_a_user_error_ends_the_job_with_its_line(tmp_path, qwen3_ckpt):
+    """A NaN weight only the ranks can find (in rank 0's half of a row-parallel layer): every rank
+    sees the same NaN logits after the all-reduce, re-runs the step to locate it, and stops."""
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "nan"
+    shutil.copytree(qwen3_ckpt, model)
+    weights = load_file(str(model / "model.safetensors"))
+    weights["model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+    out_dir = tmp_path / "out"
+    proc = infer(
+        "--set", f"model_config.model_path={model}", "--set", "model_config.with_ckpt=true",
         "--set", "model_config.exe_mode=eager", "--set", "model_config.enable_superkernel=false",
-        "--set", "model_config.enable_cache_compile=false", *(f"--set={s}" for s in DENSE_TP), "--out", str(tmp_path),
+        "--set", "model_config.enable_cache_compile=false", *(f"--set={s}" for s in DENSE_TP), "--out", str(out_dir),
     )  # fmt: skip
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: rank "), err
-    assert "exited with code 2" in lines[0] and "does not belong to the qwen3_moe recipe" in lines[0]
-    assert "Traceback" not in out + err and not (tmp_path / "metrics.json").exists()
+    assert "exited with code 2" in lines[0] and "NaN in the logits at prefill, row 0" in lines[0], err
+    assert "region layer_1_mlp" in lines[0], err
+    assert "Traceback" not in out + err and not (out_dir / "metrics.json").exists()
 
 
 def test_a_killed_rank_ends_the_job_quickly(tmp_path, qwen3_ckpt):

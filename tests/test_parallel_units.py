@@ -257,6 +257,31 @@ def test_checkpoint_that_cannot_be_split_names_key_and_field(
     assert_user_error(CompletedRun(rc, capsys.readouterr()), *needles, str(path / "config.json"))
 
 
+def test_memory_estimate_is_per_rank_and_counts_every_rank_of_the_machine(tmp_path, capsys):
+    """Pre-flight on a 2-rank layout: each rank's weights are its meta model's part, its KV cache
+    its KV heads (TP) or rows (DP); on CPU both ranks share the host RAM, so both are checked,
+    and an impossible batch stops the launcher before any rank starts, naming the keys."""
+    from models.qwen.models.runner_qwen import QwenRunner
+
+    cpu = detect("cpu")
+    base = ["model_config.debug_size=qwen3-0.6b", "scheduler_config.batch_size=2"]
+    one = QwenRunner.check_before_run(load_config(None, base), cpu).memory
+    tp = QwenRunner.check_before_run(load_config(None, [*base, "parallel_config.world_size=2", *TP2]), cpu, 2).memory
+    dp = load_config(None, [*base, "parallel_config.world_size=2", "parallel_config.attn_tp_size=1"])
+    dp = QwenRunner.check_before_run(dp, cpu, 2).memory
+    with torch.device("meta"):
+        whole = build_dense(QwenRunner.check_before_run(load_config(None, base), cpu).arch)
+    tp_parts = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")
+    split = sum(p.numel() * 4 for name, p in whole.named_parameters() if name.endswith(tp_parts))
+    assert tp.weights == one.weights - split // 2 and dp.weights == one.weights  # DP: attention replicated
+    assert tp.kv_cache == dp.kv_cache == one.kv_cache // 2
+    assert (tp.ranks_sharing, tp.needed_here) == (2, 2 * tp.needed) and one.ranks_sharing == 1
+    args = ["run", *W2, "--set", "model_config.debug_size=qwen3-0.6b", "--set", "scheduler_config.batch_size=100000"]
+    line = assert_user_error(CompletedRun(cli_main([*args, "--out", str(tmp_path / "o")]), capsys.readouterr()))
+    assert "memory: 2 ranks on this machine need about" in line and "scheduler_config.batch_size" in line, line
+    assert "per rank" in line and not (tmp_path / "o").exists()
+
+
 def test_more_ranks_than_devices_is_an_error_before_anything_starts(tmp_path, capsys):
     world = 2 * cpu_cores()  # never fits: each rank needs a core
     args = [
@@ -338,12 +363,12 @@ def test_shipped_multi_device_yamls_are_valid_configs():
 
 def test_no_rank_environment_means_no_process_group(tmp_path):
     """A world-size-2 runner outside torchrun is an error saying how to start it, not a hang."""
-    from executor.runner import ModelRunner
+    from models.qwen.models.runner_qwen import QwenRunner
 
     assert "RANK" not in os.environ and shutil.which("bash")
     cfg = load_config(None, ["parallel_config.world_size=2", "parallel_config.attn_tp_size=2"])
     with pytest.raises(Exception, match=r"world_size 2 needs one process per rank.*infer\.sh"):
-        ModelRunner(cfg, detect("cpu"))
+        QwenRunner(cfg, detect("cpu"))
 
 
 def test_the_failure_reported_is_the_cause_not_its_consequences(tmp_path):

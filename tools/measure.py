@@ -29,7 +29,7 @@ from typing import Any
 from executor import stats
 from executor.config import ConfigError, RunConfig, load_config
 from executor.errors import RecipeError
-from executor.logs import LogParseError, parse_log_file
+from executor.logs import LogParseError, iqr_filter, parse_log_file
 from executor.paths import REPO_ROOT
 from tools.config_edit import write_copy
 
@@ -124,10 +124,16 @@ class RunResult:
     peak_memory_mb: float | None = None
     model_name: str | None = None  # as the log lines name it
     metrics: dict | None = field(default=None, repr=False)
+    steps_dropped: int | None = None  # per-step lines left out of step_ms by the IQR outlier rule
+    lines_ignored: int | None = None  # log lines with no timing (what the run printed besides)
 
     def row(self) -> dict:
         """Flat view for runs.csv / results.json (per-step list and metrics left out)."""
         return {k: v for k, v in asdict(self).items() if k not in ("metrics", "decode_ms")}
+
+    def kept_steps(self) -> list[float]:
+        """Per-step decode times after the IQR rule: the samples the per-step judgement uses."""
+        return iqr_filter(self.decode_ms)
 
 
 def infer_command(model: str, config: Path, overrides: tuple[str, ...], out_dir: Path) -> list[str]:
@@ -147,6 +153,7 @@ def parse_run(
     """Numbers of one finished run from its log (+ metrics.json); raises MeasureError."""
     try:
         parsed = parse_log_file(log)
+        parsed.check_timings()  # a negative, zero, infinite or NaN time is refused, never averaged in
         step = parsed.step_ms()
     except LogParseError as exc:
         raise MeasureError(str(exc)) from None
@@ -172,6 +179,8 @@ def parse_run(
         (metrics or {}).get("peak_memory_mb"),
         parsed.model_name,
         metrics,
+        len(parsed.decode_ms) - len(iqr_filter(parsed.decode_ms)),
+        parsed.lines_ignored,
     )
 
 
@@ -311,12 +320,14 @@ def summarise(results: list[RunResult]) -> dict:
     if not ok:
         return out | {"step_ms": None}
     steps = [r.step_ms for r in ok]
+    samples = [x for r in ok for x in r.kept_steps()]  # per-step, pooled over the runs
     cv = stats.cv_percent(steps)
     prefills = [r.prefill_ms for r in ok if r.prefill_ms is not None]
     step = stats.median(steps)
     return out | {
         "step_ms": step,
         "step_ms_runs": steps,
+        "step_ms_samples": samples,
         "step_ms_min": min(steps),
         "step_ms_max": max(steps),
         "cv_percent": cv,
@@ -338,7 +349,9 @@ def compare(base: list[RunResult], opt: list[RunResult]) -> dict:
             "throughput_gain_percent": None,
             "speedup": None,
             "exceeds_noise": None,
+            "noise_method": None,
         }
+    judged = judge(sb, so)
     return out | {
         "latency_improvement_percent": stats.improvement_percent(sb["step_ms"], so["step_ms"]),
         "throughput_gain_percent": (
@@ -347,8 +360,17 @@ def compare(base: list[RunResult], opt: list[RunResult]) -> dict:
             else None
         ),
         "speedup": sb["step_ms"] / so["step_ms"],
-        "exceeds_noise": stats.exceeds_noise(sb["step_ms_runs"], so["step_ms_runs"]),
+        "exceeds_noise": judged["exceeds_noise"],
+        "noise_method": judged["method"],
     }
+
+
+def judge(base: dict, opt: dict) -> dict:
+    """stats.judge_difference on two `summarise` results: run-to-run with 2+ runs a side, else
+    per-step samples; the returned `method` says which decided."""
+    return stats.judge_difference(
+        base["step_ms_runs"], opt["step_ms_runs"], base.get("step_ms_samples", ()), opt.get("step_ms_samples", ())
+    )
 
 
 # ----------------------------------------------------------------------------- accuracy

@@ -43,6 +43,11 @@ def run_job(job: dict) -> dict | None:
         report = runner.step.report()
         param_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         every_rank = runtime.gather_objects(param_bytes, runner.parallel)
+        est = runner.memory  # the pre-flight's per-rank estimate, next to what the rank allocated
+        memory = runtime.gather_objects(
+            {"weights": est.weights, "kv_cache": est.kv_cache, "kv_cache_allocated": runner.cache.nbytes()},
+            runner.parallel,
+        )
         shapes = {name: tuple(p.shape) for name, p in runner.model.state_dict().items()}
         if not runtime.is_first():
             return None
@@ -60,6 +65,7 @@ def run_job(job: dict) -> dict | None:
             "superkernel_ran": report.superkernel_ran,
             "collectives_per_step": runner.collectives,
             "param_bytes_per_rank": every_rank,
+            "memory_per_rank": memory,
             "param_shapes": shapes,  # rank 0's
         }
     finally:

@@ -7,7 +7,8 @@ variants for the platform and custom layouts, all from configs/search_space.yaml
 first checked against the eager run on the same prompts (greedy tokens and logits cosine, in
 this process, where the logits are at hand), then measured with tools.measure, the code that
 sk_compare uses. It runs unattended: search_status.json is rewritten after every candidate,
-a restart with the same --out resumes from it, --max-minutes bounds the time, and a failing
+a restart with the same --out resumes from it, --max-minutes bounds the time (checked before
+each candidate starts: a running candidate is finished, not cut), and a failing
 candidate is recorded without stopping the search. Exit 0 only when the search finished and
 named a winner.
 """
@@ -29,12 +30,12 @@ from typing import Any
 if __package__ in (None, ""):  # `python tools/scope_search.py`: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import yaml
 
 from executor import stats
-from executor.config import ConfigError, load_config
+from executor.compile import resolve_dtype
+from executor.config import ConfigError, load_config, read_yaml
 from executor.errors import run_command
-from executor.paths import CONFIGS_DIR, MODELS_DIR, REPO_ROOT, results_dir
+from executor.paths import CONFIGS_DIR, MODELS_DIR, REPO_ROOT, claim_output_dir, results_dir
 from executor.registry import recipe_parser
 from executor.scope import REGION_KINDS, ScopeError, build_plan, parse_options
 from tools import measure
@@ -77,7 +78,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="warm-up runs per candidate (default: 1)")
     p.add_argument("--check-tokens", type=int, default=8, help="greedy tokens that must equal eager (default: 8)")
     p.add_argument("--cosine-min", type=float, help="logits cosine floor (default: 0.999 fp32, 0.99 bf16/fp16)")
-    p.add_argument("--max-minutes", type=float, help="time budget; unstarted candidates stay pending for a resume")
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        help="time budget, checked before each candidate starts (a candidate already running finishes: compile, "
+        "accuracy check and its runs); unstarted candidates stay pending for a resume",
+    )
     p.add_argument("--out", help="output dir, resumed if it holds a search (default: models/<model>/res/<date>/...)")
     p.add_argument("--resume", action="store_true", help="without --out: resume the latest unfinished search")
     p.add_argument("--apply", action="store_true", help="write the winner into --config (backup kept, diff printed)")
@@ -86,30 +92,45 @@ def parser() -> argparse.ArgumentParser:
 
 # ----------------------------------------------------------------------------- candidates
 def load_search_space(path: Path) -> dict:
-    """Strictly read the search-space file: unknown keys and bad values are errors naming them."""
-    if not path.is_file():
-        raise ConfigError(f"search space {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    """Strictly read the search-space file: malformed YAML, duplicate keys, wrong shapes, unknown
+    keys and bad values are errors naming the file and the key."""
+    data = read_yaml(path, "search space") or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping with builtin_plans, option_variants, custom")
     allowed = {"builtin_plans", "option_variants", "custom"}
     for key in data:
         if key not in allowed:
             raise ConfigError(f"{path}: {key}: unknown key; allowed keys: {', '.join(sorted(allowed))}")
     plans = data.get("builtin_plans", list(REGION_KINDS))
+    if not isinstance(plans, list):
+        raise ConfigError(f"{path}: builtin_plans: expected a list of plans ({', '.join(REGION_KINDS)})")
     for plan in plans:
         if plan not in REGION_KINDS:
             raise ConfigError(
                 f"{path}: builtin_plans: {plan!r} is not allowed; allowed values: {', '.join(REGION_KINDS)}"
             )
     variants = data.get("option_variants") or {}
+    if not isinstance(variants, dict):
+        raise ConfigError(f"{path}: option_variants: expected a mapping of platform -> list of options strings")
     for kind, opts in variants.items():
         if kind not in ("npu", "cuda", "cpu"):
             raise ConfigError(f"{path}: option_variants.{kind}: unknown platform; allowed: npu, cuda, cpu")
+        if not isinstance(opts or [], list) or not all(isinstance(o, str) for o in opts or []):
+            raise ConfigError(f"{path}: option_variants.{kind}: expected a list of options strings")
         for o in opts or []:
             parse_options(o, key=f"{path}: option_variants.{kind}")
+    if not isinstance(data.get("custom") or [], list):
+        raise ConfigError(f"{path}: custom: expected a list of {{name: ..., scopes: [...]}}")
     names = set()
     shape = "expected {name: ..., scopes: [{regions: [patterns], label: ..., options: ...}]}"
     for i, c in enumerate(data.get("custom") or []):
-        if not isinstance(c, dict) or set(c) - {"name", "scopes"} or "name" not in c or not c.get("scopes"):
+        if (
+            not isinstance(c, dict)
+            or set(c) - {"name", "scopes"}
+            or not isinstance(c.get("name"), str)
+            or not isinstance(c.get("scopes"), list)
+            or not c["scopes"]
+        ):
             raise ConfigError(f"{path}: custom[{i}]: {shape}")
         if c["name"] in names or c["name"] in ("baseline", *REGION_KINDS):
             raise ConfigError(f"{path}: custom[{i}]: name {c['name']!r} is already taken")
@@ -178,26 +199,44 @@ def _save(out: Path, status: dict) -> None:
     os.replace(tmp, out / STATUS)  # a kill mid-write never leaves a half status file
 
 
+def unfinished(status: dict) -> bool:
+    """A search is finished only when its state says so and no candidate is left pending or
+    running (a status written by a killed job may say either)."""
+    return status.get("state") != "complete" or any(
+        c.get("status") not in FINAL for c in status.get("candidates", {}).values()
+    )
+
+
+def _read_status(path: Path) -> dict | None:
+    try:
+        status = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return status if isinstance(status, dict) else None
+
+
 def _out_dir(args) -> Path:
     if args.out:
         return Path(args.out).resolve()
     res = MODELS_DIR / args.model / "res"
     if args.resume:
-        unfinished = [
+        unfinished_dirs = [
             p.parent
             for p in sorted(res.glob(f"*/scope_search_*/{STATUS}"), key=os.path.getmtime)
-            if json.loads(p.read_text()).get("state") != "complete"
+            if (status := _read_status(p)) is not None and unfinished(status)
         ]
-        if not unfinished:
+        if not unfinished_dirs:
             raise ConfigError(f"--resume: no unfinished search under {res}")
-        return unfinished[-1]
+        return unfinished_dirs[-1]
     return results_dir(args.model, "scope_search")
 
 
 def _open_status(out: Path, signature: dict, progress) -> dict:
     path = out / STATUS
     if path.is_file():
-        status = json.loads(path.read_text())
+        status = _read_status(path)
+        if status is None or not isinstance(status.get("candidates"), dict):
+            raise ConfigError(f"--out {out}: {STATUS} is not a search status (unreadable or edited); use another --out")
         if status.get("signature") != signature:
             diff = [k for k in signature if status.get("signature", {}).get(k) != signature[k]]
             raise ConfigError(f"--out {out} holds a search with other settings ({', '.join(diff)}); use another --out")
@@ -289,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     space_path = Path(args.search_space).resolve() if args.search_space else DEFAULT_SPACE
     space = load_search_space(space_path)
     tokens = min(args.check_tokens, cfg.scheduler_config.max_new_tokens)
-    cosine_min = args.cosine_min if args.cosine_min is not None else measure.COSINE_MIN[cfg.model_config.dtype]
+    dtype = resolve_dtype(cfg.model_config.dtype, platform)
+    cosine_min = args.cosine_min if args.cosine_min is not None else measure.COSINE_MIN[dtype]
     out = _out_dir(args)
     progress = measure.Progress("scope_search")
     search = Search(st, out, progress, args.overrides, tokens, cosine_min, args.runs, args.warmup)
@@ -306,9 +346,24 @@ def main(argv: list[str] | None = None) -> int:
         "cosine_min": cosine_min,
         "platform": platform.kind,
     }
+    with claim_output_dir(out, None, resumes=STATUS):  # a file, unwritable, another command's results, in use
+        return _search(args, search, signature, space)
+
+
+def _search(args, search: Search, signature: dict, space: dict) -> int:
+    """Run (or resume) the search in its claimed output directory, then rank and report."""
+    st, out, progress, tokens = search.start, search.out, search.progress, search.tokens
+    config, cfg, platform = st.config, st.cfg, st.platform
     status = _open_status(out, signature, progress)
+    # Until every candidate is final the state stays "running" on disk, so a search killed at any
+    # point (kill -9 included) is found again by --resume and continued.
     status["state"] = "running"
     budget_s = None if args.max_minutes is None else args.max_minutes * 60
+    # What every candidate shares (checkpoint config, memory, compile cache) is checked on the
+    # baseline's copy before anything runs; what differs (the plan) fails that candidate only.
+    changes, _ = measure.side_changes(cfg, None)
+    baseline = measure.write_side_config(config, out / "candidates" / "baseline.yaml", changes, args.overrides)
+    st.runner.check_before_run(baseline, platform)
     with measure.sigterm_as_interrupt():
         try:
             progress(f"eager reference: {tokens} greedy tokens on the config's prompts ...")
@@ -334,19 +389,24 @@ def main(argv: list[str] | None = None) -> int:
                 f"{len(cands)} candidate(s): {', '.join(c['name'] for c in cands)}; not applicable: "
                 f"{', '.join(s['name'] for s in status['skipped']) or 'none'}; status in {out / STATUS}"
             )
-            status["state"] = "complete"
             for i, c in enumerate(cands, 1):
                 rec = status["candidates"][c["name"]]
                 if rec["status"] in FINAL:
                     continue
                 if budget_s is not None and progress.elapsed() >= budget_s:
                     status["state"] = "budget"
-                    progress(f"--max-minutes {args.max_minutes} used up: stopping before {c['name']}")
+                    progress(
+                        f"--max-minutes {args.max_minutes} used up after {progress.elapsed() / 60:.1f} min: stopping "
+                        f"before {c['name']} (the budget is checked before each candidate starts; a running one "
+                        "finishes)"
+                    )
                     break
                 rec["status"] = "running"  # a watcher sees which one; a killed job redoes it on resume
                 _save(out, status)
                 run_candidate(search, c, rec, f"[{i}/{len(cands)}]")
                 _save(out, status)
+            else:
+                status["state"] = "complete"
         except KeyboardInterrupt:
             status["state"] = "interrupted"
             _save(out, status)
@@ -370,9 +430,29 @@ def rank(status: dict) -> tuple[list[tuple[str, dict]], dict | None]:
         r["improvement_vs_baseline_percent"] = (
             stats.improvement_percent(base["step_ms"], s["step_ms"]) if base else None
         )
-        r["exceeds_noise_vs_baseline"] = stats.exceeds_noise(base["step_ms_runs"], s["step_ms_runs"]) if base else None
+        judged = measure.judge(base, s) if base else {"exceeds_noise": None, "method": None}
+        r["exceeds_noise_vs_baseline"], r["noise_method_vs_baseline"] = judged["exceeds_noise"], judged["method"]
         r["winner_speedup_over"] = s["step_ms"] / win_ms if win_ms else None
     return ranked, ({"name": winner, **recs[winner]} if winner else None)
+
+
+def baseline_check(status: dict, winner: dict) -> str | None:
+    """Why the winner must not be applied (None: it may be). The no-SuperKernel baseline is a
+    candidate too: a plan slower than it beyond the measured noise is never written, and without
+    a measured baseline there is nothing to show that it is not."""
+    base = status["candidates"].get("baseline", {})
+    if base.get("status") != "done":
+        return (
+            f"the no-SuperKernel baseline was not measured ({base.get('status', 'absent')}), so nothing shows "
+            f"{winner['name']} is not slower than it"
+        )
+    if winner["summary"]["step_ms"] > base["summary"]["step_ms"] and winner["exceeds_noise_vs_baseline"]:
+        return (
+            f"{winner['name']} ({winner['summary']['step_ms']:.3f} ms/step) is slower than the no-SuperKernel "
+            f"baseline ({base['summary']['step_ms']:.3f} ms/step, {winner['speedup_vs_baseline']:.2f}x) beyond "
+            f"the noise ({winner['noise_method_vs_baseline']})"
+        )
+    return None
 
 
 def finish(args, config: Path, platform, out: Path, status: dict) -> int:
@@ -388,6 +468,8 @@ def finish(args, config: Path, platform, out: Path, status: dict) -> int:
     else:
         reason = None
     status["winner"], status["exit_reason"] = (winner or {}).get("name"), reason
+    refused = baseline_check(status, winner) if winner and not reason else None
+    status["apply_refused"] = refused  # --apply never writes this winner (and the report says why)
     write_report(out, args, config, platform, status, ranked, winner, reason)
     _save(out, status)
     if reason:
@@ -402,6 +484,9 @@ def finish(args, config: Path, platform, out: Path, status: dict) -> int:
         + f"\nreport: {out / REPORT}"
     )
     if args.apply:
+        if refused:
+            print(f"scope_search: --apply refused, {config} left unchanged: {refused}", file=sys.stderr)
+            return 1
         apply_winner(config, winner)
     return 0
 
@@ -466,6 +551,15 @@ def write_report(out: Path, args, config: Path, platform, status: dict, ranked, 
             + ")."
         ]
         head += [f"- vs {n}: {r['winner_speedup_over']:.3f}x" for n, r in ranked if n != winner["name"]]
+        if winner.get("noise_method_vs_baseline"):
+            head += ["", f"Noise judged by {winner['noise_method_vs_baseline']}."]
+        refused = status.get("apply_refused")
+        head += [
+            "",
+            f"--apply {'refuses' if args.apply else 'would refuse'} to write it: {refused}."
+            if refused
+            else "--apply may write it: it is not slower than the no-SuperKernel baseline beyond the noise.",
+        ]
     head += [
         "",
         f"Result: {reason}" if reason else "Result: search complete.",
@@ -478,7 +572,12 @@ def write_report(out: Path, args, config: Path, platform, status: dict, ranked, 
         "(tools/measure.py, the sk_compare measurement)",
         f"- accuracy vs the eager run on the same prompts: first {sig['check_tokens']} greedy tokens identical and "
         f"logits cosine >= {sig['cosine_min']}",
-        f"- started {status.get('started')}, updated {status.get('updated')}",
+        f"- started {status.get('started')}, updated {status.get('updated')}"
+        + (
+            f"; --max-minutes {args.max_minutes} (checked before each candidate starts; a running one finishes)"
+            if args.max_minutes is not None
+            else ""
+        ),
         "",
         "## Candidates",
         "",
@@ -528,8 +627,8 @@ def apply_winner(config: Path, winner: dict) -> None:
         changes[measure.switch_key(cfg)] = True
     if current.exe_mode == "eager":
         changes["model_config.exe_mode"] = "ge_graph"
-    if winner.get("exceeds_noise_vs_baseline") is not None and (winner.get("improvement_vs_baseline_percent") or 0) < 0:
-        print(f"warning: {winner['name']} is slower than the no-SuperKernel baseline; applied as asked")
+    if (winner.get("improvement_vs_baseline_percent") or 0) < 0:  # slower, but within the noise (else refused)
+        print(f"note: {winner['name']} measured slower than the no-SuperKernel baseline, within the noise")
     result = apply_changes(config, changes, validate=lambda p: load_config(p))
     print(f"--apply: wrote {winner['name']} into {result.path} (backup {result.backup.name})\n{result.diff}", end="")
 

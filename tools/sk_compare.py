@@ -108,7 +108,9 @@ def _compare(args: argparse.Namespace, st: ToolStart, out: Path, now: datetime.d
             sk = None if name == "baseline" else ({"plan": args.plan} if args.plan else {})
             changes, notes[name] = measure.side_changes(cfg, sk)
             copy = out / f"{name}.yaml"
-            measure.write_side_config(config, copy, changes, args.overrides)  # validates before any run
+            side_cfg = measure.write_side_config(config, copy, changes, args.overrides)  # validates before any run
+            if cmd is None:  # what infer.sh would refuse (plan vs the model's regions, memory, cache): refuse now
+                st.runner.check_before_run(side_cfg, platform)
             sides.append(Side(name, copy, tuple(args.overrides), cmd))
         progress(
             f"{args.model}: {args.warmup} warm-up + {args.runs} measured run(s) per side, alternating; output in {out}"
@@ -121,9 +123,16 @@ def _compare(args: argparse.Namespace, st: ToolStart, out: Path, now: datetime.d
 
 
 def _from_log(side: str, path: Path, batch: int) -> RunResult:
+    if path.is_dir():
+        raise measure.MeasureError(f"--from-logs: {side} log {path} is a directory, not a log file")
     if not path.is_file():
         raise measure.MeasureError(f"--from-logs: {side} log {path} does not exist")
-    return measure.parse_run(side, 1, path.resolve(), None, batch)  # MeasureError (a ValueError) names the file
+    r = measure.parse_run(side, 1, path.resolve(), None, batch)  # MeasureError names the file and line
+    print(
+        f"{side}: {path}: {len(r.decode_ms)} per-step decode line(s), {r.steps_dropped} left out as outliers "
+        f"(IQR rule), {r.lines_ignored} line(s) without a timing ignored"
+    )
+    return r
 
 
 # ----------------------------------------------------------------------------- checklist
@@ -210,15 +219,16 @@ def conclusion(cmp: dict, plan: str, portable: bool) -> str:
         failed = [s for s in SIDES if cmp[s]["step_ms"] is None]
         return f"No comparison: every run of {', '.join(failed)} failed (see Runs)."
     imp = cmp["latency_improvement_percent"]
+    method = cmp.get("noise_method") or "run-to-run"
     if not cmp["exceeds_noise"]:
         return (
-            f"SuperKernel plan {plan}: {imp:+.1f}% decode latency, which does not exceed the run-to-run noise{where}; "
-            "add runs (--runs 5) or a longer decode before drawing a conclusion."
+            f"SuperKernel plan {plan}: {imp:+.1f}% decode latency, which does not exceed the noise{where}; "
+            f"decided by {method}; add runs (--runs 5) or a longer decode before drawing a conclusion."
         )
     verb = "reduces" if imp > 0 else "increases"
     return (
         f"SuperKernel plan {plan} {verb} decode latency from {sb['step_ms']:.3f} to {so['step_ms']:.3f} ms/step "
-        f"({abs(imp):.1f}%, beyond run-to-run noise){where}."
+        f"({abs(imp):.1f}%, {sb['step_ms'] / so['step_ms']:.2f}x, beyond the noise){where}; decided by {method}."
     )
 
 
@@ -371,7 +381,7 @@ def _model_and_scope(r: Report) -> list[str]:
         model = [
             f"- recipe `{r.args.model}`, model_name `{mc.model_name}`"
             + (f", {m0['model_type']} from {source}" if m0 else ""),
-            f"- weights: {weights}, dtype {mc.dtype}",
+            f"- weights: {weights}, dtype {m0.get('dtype', mc.dtype)}",
             f"- batch size {r.cfg.scheduler_config.batch_size}, max_new_tokens "
             f"{r.cfg.scheduler_config.max_new_tokens}, {len(r.cfg.data_config.prompts)} prompt(s)",
         ]
@@ -466,18 +476,21 @@ def _environment_and_results(r: Report) -> list[str]:
         f"{_f(so.get('cv_percent'), '.1f', '%')} {so.get('stability', '')} | |",
         f"| failed runs | {sb['failed_runs']} | {so['failed_runs']} | |",
         "",
-        f"Speedup {_f(cmp['speedup'], '.3f', 'x')}; difference exceeds run-to-run noise: {noise}.",
+        f"Speedup {_f(cmp['speedup'], '.3f', 'x')}; difference exceeds the noise: {noise}"
+        + (f" (decided by {cmp['noise_method']})." if cmp.get("noise_method") else "."),
         "",
         "### Runs",
         "",
-        "| side | run | status | ms/step | tokens/s | prefill ms | log |",
-        "|---|---|---|---|---|---|---|",
+        "| side | run | status | ms/step | tokens/s | prefill ms | steps (outliers left out) | other lines | log |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for side in SIDES:
         for x in r.results[side]:
+            steps = f"{len(x.decode_ms)} ({x.steps_dropped})" if x.ok and x.decode_ms else "-"
             lines.append(
                 f"| {side} | {'warm-up' if x.index == 0 else x.index} | {'ok' if x.ok else 'FAILED: ' + x.error} | "
-                f"{_f(x.step_ms)} | {_f(x.tokens_per_s, '.1f')} | {_f(x.prefill_ms, '.2f')} | {Path(x.log).name} |"
+                f"{_f(x.step_ms)} | {_f(x.tokens_per_s, '.1f')} | {_f(x.prefill_ms, '.2f')} | {steps} | "
+                f"{_f(x.lines_ignored, 'd', missing='-')} | {Path(x.log).name} |"
             )
     return lines + [
         "",

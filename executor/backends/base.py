@@ -7,10 +7,17 @@ step reports what really ran in one shape on every backend (`StepReport`): compi
 graphs, recompiles, the compile cache, and per SuperKernel scope what the backend knows of it
 (portable backend: ops, segments, launches; Ascend: how often dynamo traced it). So the
 runner, the metrics and the tools never look inside a particular backend.
+
+The compile cache directory is keyed here, once for every backend (`cache_key`, `keyed_cache_dir`):
+torchair's `inference.cache_compile` keys its cache on the module's class and str(), the
+CompilerConfig and the determinism level only, and on a hit reuses the saved graph without
+dynamo's guards. Anything else that changes the graph must therefore change the directory.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -18,9 +25,12 @@ from pathlib import Path
 
 import torch
 
+from executor import ops
+from executor.arch import ModelArch
 from executor.config import ModelConfig
 from executor.errors import RecipeError
-from executor.scope import ScopeFactory
+from executor.parallel.layout import ONE_DEVICE, Layout
+from executor.scope import NO_PLAN, ScopeFactory, ScopePlan
 
 DEFAULT_CACHE = Path.home() / ".cache" / "cann-recipes-infer" / "compile"
 
@@ -36,6 +46,63 @@ class UnsupportedError(RecipeError):
     """Requested but impossible on this platform or backend; one line saying why."""
 
 
+@dataclass(frozen=True)
+class DecodeSpec:
+    """What a backend compiles: the run's model config and everything that shapes the decode graph.
+
+    One object so that no backend picks its own subset for the cache key. Built by the runner
+    (ModelRunner.decode_spec) before any weight is loaded."""
+
+    model_config: ModelConfig
+    arch: ModelArch
+    dtype: str  # resolved (executor.compile.resolve_dtype), never "auto"
+    batch_size: int  # static: the graph is compiled for exactly this many rows
+    max_len: int  # static KV-cache slots: input length + max_new_tokens
+    plan: ScopePlan = NO_PLAN  # NO_PLAN when SuperKernel is off
+    device: str = ""  # platform.device_name: NPU converters and GE kernels differ per SoC
+    layout: Layout = ONE_DEVICE  # several devices: this rank's graph holds its slices and collectives
+    rank: int = 0
+
+
+def cache_key(
+    spec: DecodeSpec, backend: str, op_table: str, versions: dict[str, str | None], options: dict | None = None
+) -> dict:
+    """Everything that changes the compiled decode graph, as plain data (metrics.json `compile.cache_key`).
+
+    `options`: what the backend hands its compiler beyond the graph (e.g. npugraph_ex options)."""
+    arch = asdict(spec.arch)
+    arch.pop("source")  # where config.json was read from does not change the graph
+    key = {
+        "backend": backend,
+        "device": spec.device,
+        "arch": arch,
+        "dtype": spec.dtype,
+        "batch_size": spec.batch_size,
+        "max_len": spec.max_len,
+        "exe_mode": spec.model_config.exe_mode,
+        "plan": spec.plan.name,
+        "scopes": [{"region": s.region, "label": s.label, "options": s.options} for s in spec.plan.scopes],
+        "op_table": ops.implementations(op_table),
+        "backend_options": options or {},
+        "versions": versions,
+    }
+    if spec.layout.world > 1:  # each rank compiles (and caches) its own graph; world size 1 keys as before
+        key["parallel"] = spec.layout.describe() | {"rank": spec.rank}
+    return json.loads(json.dumps(key, default=str))  # plain JSON data: what metrics.json and cache_key.json hold
+
+
+def keyed_cache_dir(root: Path, key: dict) -> Path:
+    """`<root>/<backend>-<digest of the key>`: same key, same directory; any change, another one.
+
+    The key is written beside the compiled artifacts (cache_key.json) so a user can see what a
+    directory was compiled for."""
+    text = json.dumps(key, sort_keys=True, separators=(",", ":"), default=str)
+    directory = root / f"{key['backend']}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "cache_key.json").write_text(json.dumps(key, indent=2, sort_keys=True, default=str) + "\n")
+    return directory
+
+
 @dataclass
 class StepReport:
     """What compiling and running the decode step did (metrics.json `compile` and `superkernel`)."""
@@ -46,6 +113,7 @@ class StepReport:
     recompiles: int = 0  # graphs compiled after the first call (each one was timed as a step)
     cache_dir: str | None = None
     cache_enabled: bool = False
+    cache_key: dict | None = None  # what the cache directory is keyed on (see cache_key)
     scopes: list[dict] = field(default_factory=list)  # one dict per scope label, backend-specific detail
     superkernel_ran: bool | None = False  # None: not observable (e.g. the graph came from a cache)
 

@@ -36,8 +36,16 @@ import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.fx.passes.split_module import split_module
 
-from executor.backends.base import Backend, CompiledStep, Step, StepReport, cache_root
-from executor.config import ModelConfig
+from executor.backends.base import (
+    Backend,
+    CompiledStep,
+    DecodeSpec,
+    Step,
+    StepReport,
+    cache_key,
+    cache_root,
+    keyed_cache_dir,
+)
 from executor.errors import RecipeError
 from executor.scope import SCOPE_ENTER, SCOPE_EXIT, parse_options
 
@@ -335,9 +343,22 @@ class GraphCompiler:
 class InductorStep(CompiledStep):
     """The compiled step: dynamo's errors become ours, and what the scopes did is reported."""
 
-    def __init__(self, fn: Callable, compiler: GraphCompiler, name: str, cache_dir: str | None, cache_enabled: bool):
+    def __init__(
+        self,
+        fn: Callable,
+        compiler: GraphCompiler,
+        name: str,
+        cache_dir: str | None,
+        cache_enabled: bool,
+        cache_key: dict | None = None,
+    ):
         super().__init__(fn, name, count_graphs=lambda: compiler.stats.graphs)
-        self.compiler, self.cache_dir, self.cache_enabled = compiler, cache_dir, cache_enabled
+        self.compiler, self.cache_dir, self.cache_enabled, self.cache_key = (
+            compiler,
+            cache_dir,
+            cache_enabled,
+            cache_key,
+        )
 
     def _call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         try:
@@ -364,15 +385,21 @@ class InductorStep(CompiledStep):
             self.compile_s,
             self.graphs,
             self.recompiles,
-            self.cache_dir,
-            self.cache_enabled,
-            [s.as_dict() for s in scopes],
+            cache_dir=self.cache_dir,
+            cache_enabled=self.cache_enabled,
+            cache_key=self.cache_key,
+            scopes=[s.as_dict() for s in scopes],
             superkernel_ran=any(s.launches > 0 for s in scopes),
         )
 
 
 def compile_inductor(
-    step: Callable, superkernel: bool, device: str, cache_dir: str | None = None, cache_enabled: bool = False
+    step: Callable,
+    superkernel: bool,
+    device: str,
+    cache_dir: str | None = None,
+    cache_enabled: bool = False,
+    cache_key: dict | None = None,
 ) -> InductorStep:
     """torch.compile the whole step with our graph compiler (Inductor; SK = one launch unit per scope).
 
@@ -393,23 +420,30 @@ def compile_inductor(
         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
     )
     name = "inductor+superkernel" if superkernel else "inductor"
-    return InductorStep(compiled, compiler, name, cache_dir, cache_enabled)
+    return InductorStep(compiled, compiler, name, cache_dir, cache_enabled, cache_key)
 
 
 class InductorBackend(Backend):
     """Portable graph mode on CPU/CUDA (exe_mode ge_graph): reference ops, marker-op scopes.
 
-    The Inductor cache lives in `cache_root` when enable_cache_compile is on, else in a fresh
-    directory per run, so that a "cold" compile really is cold."""
+    With enable_cache_compile the Inductor cache lives in a directory of `cache_root` keyed on
+    everything that changes the graph (base.cache_key), else in a fresh directory per run, so
+    that a "cold" compile really is cold."""
 
-    def __init__(self, mc: ModelConfig, device: str):
+    def __init__(self, spec: DecodeSpec, device: str):
+        mc = spec.model_config
         self.superkernel, self.device = mc.superkernel_enabled, device
         self.name = "inductor+superkernel" if self.superkernel else "inductor"
         self.cache_enabled = mc.enable_cache_compile
-        self.cache_dir = str(cache_root(mc)) if self.cache_enabled else tempfile.mkdtemp(prefix="sk_compile_")
+        self.cache_key = cache_key(spec, self.name, self.op_table, {"torch": torch.__version__})
+        self.cache_dir = (
+            str(keyed_cache_dir(cache_root(mc), self.cache_key))
+            if self.cache_enabled
+            else tempfile.mkdtemp(prefix="sk_compile_")
+        )
 
     def environment(self) -> dict[str, str]:
         return {"TORCHINDUCTOR_CACHE_DIR": self.cache_dir}
 
     def compile(self, step: Step) -> InductorStep:
-        return compile_inductor(step, self.superkernel, self.device, self.cache_dir, self.cache_enabled)
+        return compile_inductor(step, self.superkernel, self.device, self.cache_dir, self.cache_enabled, self.cache_key)

@@ -12,19 +12,34 @@ tests/test_npu_adapter.py can pin every argument with recording doubles.
 from __future__ import annotations
 
 import importlib
+import json
+import shutil
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from pathlib import Path
 
 import torch
 from torch._dynamo.utils import counters
 
 from executor import ops
-from executor.backends.base import Backend, CompiledStep, EagerBackend, Step, StepReport, UnsupportedError, cache_root
-from executor.config import ModelConfig
-from executor.scope import ScopeFactory, parse_options
+from executor.backends.base import (
+    Backend,
+    CompiledStep,
+    DecodeSpec,
+    EagerBackend,
+    Step,
+    StepReport,
+    UnsupportedError,
+    cache_key,
+    cache_root,
+    keyed_cache_dir,
+)
+from executor.platform import cann_version
+from executor.scope import ScopeFactory, ScopePlan, parse_options
 
 INT32_MAX = 2**31 - 1  # FIA pre_tokens/next_tokens "no band limit"; causality comes from the mask
+# npu_fused_infer_attention_score takes float16, bfloat16 or int8 queries only (no float32;
+# tests/data/ascend_facts/fused_ops.yaml). int8 is a quantised path this op table does not use.
+NPU_DTYPES = ("bfloat16", "float16")
 
 
 def _torch_npu():
@@ -37,6 +52,18 @@ def _torchair():
 
 
 # --------------------------------------------------------------------------- fused ops
+def check_dtype(dtype: str) -> None:
+    """Refuse a dtype the NPU op table cannot run, before anything is built (no torch_npu import).
+
+    Why not cast: a silent float32 -> bfloat16 cast around attention would change the numbers
+    the user asked for; GE would only fail deep inside the compiled graph."""
+    if dtype not in NPU_DTYPES:
+        raise UnsupportedError(
+            f"model_config.dtype: {dtype} cannot run on an Ascend NPU (npu_fused_infer_attention_score takes "
+            f"float16 or bfloat16 queries only); set it to auto (bfloat16 on NPU), bfloat16 or float16"
+        )
+
+
 def register_ops() -> None:
     """Register the torch_npu op table "npu" (signatures = executor.ops); the run's execution
     context makes it active."""
@@ -57,11 +84,13 @@ def register_ops() -> None:
 
     def attention(q, k, v, mask, scale):
         # q (B, Hq, S, D), k/v (B, Hkv, T, D): layout BNSD; mask (B, 1, S, T) bool, True = masked
-        # out, which is already the NPU polarity. sparse_mode 0 = use the mask as given.
+        # out, which is already the NPU polarity. sparse_mode 0 = use the mask as given. The op
+        # takes contiguous inputs only (a prefill query arrives transposed); a no-op in decode.
+        # The second output (lse) is only defined with softmax_lse_flag=True: never read here.
         out, _lse = tnpu.npu_fused_infer_attention_score(
-            q,
-            k,
-            v,
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
             atten_mask=mask,
             num_heads=q.shape[1],
             num_key_value_heads=k.shape[1],
@@ -74,8 +103,11 @@ def register_ops() -> None:
         return out
 
     def moe_gating_top_k_softmax(logits, k):
-        y, expert_idx, _row_idx = tnpu.npu_moe_gating_top_k_softmax(logits, finished=None, k=k)
-        return y.to(torch.float32), expert_idx.to(torch.int64)  # reference contract; op: x.dtype, int32
+        # The op returns its weights in the input's dtype; the contract (executor.ops.reference) is
+        # float32 weights from a float32 softmax, as HF computes them. So float32 logits go in:
+        # bf16 logits would give bf16-rounded weights, unlike the reference.
+        y, expert_idx, _row_idx = tnpu.npu_moe_gating_top_k_softmax(logits.float(), finished=None, k=k)
+        return y, expert_idx.to(torch.int64)  # op: int32 ids
 
     def moe_init_routing(x, expert_idx, num_experts):
         """The op names (token i, slot j) by row id j*N + i and returns expanded_row_idx[row id] =
@@ -165,35 +197,134 @@ def scope_factory(mode: str, log: _ScopeLog | None = None) -> Callable[[str, str
 
 
 # --------------------------------------------------------------------------- compiling
+def ge_compiler_config():
+    """The torchair CompilerConfig exe_mode ge_graph compiles with. Public so that the GE check
+    (tools/ge_check.py) converts with exactly these settings, adding only its graph dump."""
+    cfg = importlib.import_module("torchair.configs.compiler_config").CompilerConfig()
+    cfg.experimental_config.frozen_parameter = True  # parameter addresses fixed across steps
+    cfg.experimental_config.tiling_schedule_optimize = True  # static shapes: tiling scheduled on device
+    cfg.experimental_config.topology_sorting_strategy = "StableRDFS"
+    return cfg
+
+
+def _op_types(value: str) -> list[str]:
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+# Our scope-option grammar (executor.scope.OPTIONS) -> npugraph_ex's super_kernel_optimize_options
+# keys and value types (tests/data/ascend_facts/npugraph_ex.yaml; it checks types with isinstance).
+# The other options (feed-sync-all, strict-scope-check, debug-aic/aiv-num) have no npugraph_ex
+# equivalent.
+NPUGRAPH_SK_OPTIONS: dict[str, tuple[str, Callable[[str], object]]] = {
+    "stream-fusion": ("stream_fusion", int),
+    "dcci-before-kernel-start": ("dcci_before_kernel_start", _op_types),
+    "dcci-after-kernel-end": ("dcci_after_kernel_end", _op_types),
+    "dcci-disable-on-kernel": ("dcci_disable_on_kernel", _op_types),
+}
+
+
+def npugraph_sk_options(plan: ScopePlan) -> dict:
+    """The plan's scope options as npugraph_ex `super_kernel_optimize_options`.
+
+    npugraph_ex takes these once per compile, not per scope, so all scopes must agree; an option
+    it cannot express is an error rather than a dropped setting."""
+    found: dict[str, dict] = {}
+    for spec in plan.scopes:
+        parsed = parse_options(spec.options)
+        other = sorted(set(parsed) - set(NPUGRAPH_SK_OPTIONS))
+        if other:
+            raise UnsupportedError(
+                f"superkernel options {', '.join(other)} (scope {spec.label}) have no npugraph_ex equivalent; "
+                f"npugraph_ex takes {', '.join(NPUGRAPH_SK_OPTIONS)} (the others need exe_mode ge_graph)"
+            )
+        found[spec.label] = {
+            key: convert(parsed[name]) for name, (key, convert) in NPUGRAPH_SK_OPTIONS.items() if name in parsed
+        }
+    distinct = {json.dumps(v, sort_keys=True) for v in found.values()}
+    if len(distinct) > 1:
+        raise UnsupportedError(
+            "npugraph_ex applies one set of SuperKernel options to all scopes; the plan's scopes disagree "
+            f"({'; '.join(f'{label}: {options}' for label, options in found.items())})"
+        )
+    return json.loads(distinct.pop()) if distinct else {}
+
+
+def _versions() -> dict[str, str | None]:
+    """Versions that change what torchair/GE produce (part of the compile cache key)."""
+    return {"torch": torch.__version__, "torch_npu": getattr(_torch_npu(), "__version__", None), "cann": cann_version()}
+
+
+class _NpuGraphBackend(Backend):
+    """What both Ascend graph modes share: the fused-op table, a log of the scopes traced, the
+    compile cache keyed on everything that changes the graph (base.cache_key)."""
+
+    op_table = "npu"
+    mode = base_name = ""
+
+    def __init__(self, spec: DecodeSpec):
+        check_dtype(spec.dtype)
+        register_ops()  # the op table is part of the cache key
+        mc = spec.model_config
+        self.spec, self.mc, self.superkernel, self.log = spec, mc, mc.superkernel_enabled, _ScopeLog()
+        self.name = f"{self.base_name}+superkernel" if self.superkernel else self.base_name
+        self.options = self.compile_options()  # checked now, before any weight is loaded
+        self.cache_key = cache_key(spec, self.name, self.op_table, _versions(), self.options)
+        self.cache_dir = keyed_cache_dir(cache_root(mc), self.cache_key) if mc.enable_cache_compile else None
+
+    def compile_options(self) -> dict:
+        """What the backend hands its compiler besides the graph (plain data; part of the cache key)."""
+        return {}
+
+    def scope_factory(self) -> ScopeFactory | None:
+        return scope_factory(self.mode, self.log) if self.superkernel else None
+
+
 class NpuStep(CompiledStep):
     """The compiled step. Graphs are counted with dynamo's own counter, so the backends stay
-    exactly the documented objects (and a torchair cache hit, which traces nothing, shows 0)."""
+    exactly the documented objects (and a cache hit, which traces nothing, shows 0)."""
 
-    def __init__(self, fn: Callable, name: str, mc: ModelConfig, log: _ScopeLog, cache_dir: Path | None):
-        super().__init__(fn, name, count_graphs=lambda: counters["stats"]["unique_graphs"])
-        self.mc, self.log, self.cache_dir = mc, log, cache_dir
+    def __init__(self, fn: Callable, backend: _NpuGraphBackend):
+        super().__init__(fn, backend.name, count_graphs=lambda: counters["stats"]["unique_graphs"])
+        self.backend = backend
+
+    def _call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        b = self.backend
+        if b.cache_dir is not None and input_ids.shape[0] != b.spec.batch_size:
+            # a cached graph is reused without shape guards: another batch must not reach it
+            raise UnsupportedError(
+                f"the compile cache {b.cache_dir} holds the decode graph for batch {b.spec.batch_size}; "
+                f"this call has batch {input_ids.shape[0]}"
+            )
+        try:
+            return self.fn(input_ids, positions)
+        except BaseException:
+            if self.calls == 0 and b.cache_dir is not None:  # torchair saves its cache even when this call failed
+                shutil.rmtree(b.cache_dir, ignore_errors=True)
+            raise
 
     def report(self) -> StepReport:
+        b = self.backend
         traced = self.graphs > 0
-        entries = self.log.entries.items()
+        entries = b.log.entries.items()
         return StepReport(
             self.name,
             self.compile_s,
             self.graphs,
             self.recompiles,
-            str(self.cache_dir) if self.cache_dir else None,
-            self.mc.enable_cache_compile,
-            [{"label": label, "options": options, "traced": n} for (label, options), n in entries],
-            # None = not observable: the graph came from torchair's cache, nothing was traced
-            superkernel_ran=bool(self.log.entries) if traced or not self.mc.enable_cache_compile else None,
+            cache_dir=str(b.cache_dir) if b.cache_dir else None,
+            cache_enabled=b.mc.enable_cache_compile,
+            cache_key=b.cache_key,
+            scopes=[{"label": label, "options": options, "traced": n} for (label, options), n in entries],
+            # None = not observable: the graph came from the compile cache, nothing was traced
+            superkernel_ran=bool(b.log.entries) if traced or b.cache_dir is None else None,
         )
 
 
 class _StepModule(torch.nn.Module):
-    """torchair.inference.cache_compile caches bound nn.Module methods only: on a cache hit it
-    finds the graph's parameters by name on that module. The runner's `_decode_step` belongs to
-    ModelRunner (not a Module), so we bind it to a Module that registers the owner's modules
-    (the model) under their attribute names, making the names resolvable."""
+    """Both compile caches (torchair's and npugraph_ex's cache_compile) take bound nn.Module
+    methods only: on a hit they find the graph's parameters by name on that module. The runner's
+    `_decode_step` belongs to ModelRunner (not a Module), so we bind it to a Module that registers
+    the owner's modules (the model) under their attribute names, making the names resolvable."""
 
     def __init__(self, step: Callable):
         super().__init__()
@@ -210,111 +341,68 @@ def _module_method(step: Callable) -> Callable:
     return step if isinstance(getattr(step, "__self__", None), torch.nn.Module) else _StepModule(step).decode
 
 
-class _NpuGraphBackend(Backend):
-    """What both Ascend graph modes share: the fused-op table, and a log of the scopes traced."""
-
-    op_table = "npu"
-    mode = ""
-
-    def __init__(self, mc: ModelConfig):
-        self.mc, self.superkernel, self.log = mc, mc.superkernel_enabled, _ScopeLog()
-
-    def scope_factory(self) -> ScopeFactory | None:
-        return scope_factory(self.mode, self.log) if self.superkernel else None
-
-
 class TorchairGEBackend(_NpuGraphBackend):
-    """exe_mode ge_graph: whole decode step, static shapes; SK = torchair.scope.super_kernel."""
+    """exe_mode ge_graph: whole decode step, static shapes; SK = torchair.scope.super_kernel.
 
-    mode = "ge_graph"
+    `compiler_config`: None = ge_compiler_config(); the GE check passes that same config with a
+    graph dump added."""
 
-    def __init__(self, mc: ModelConfig):
-        super().__init__(mc)
-        self.name = "torchair_ge+superkernel" if self.superkernel else "torchair_ge"
+    mode, base_name = "ge_graph", "torchair_ge"
+
+    def __init__(self, spec: DecodeSpec, compiler_config=None):
+        super().__init__(spec)
+        self.compiler_config = compiler_config
 
     def compile(self, step: Step) -> NpuStep:
-        return compile_torchair_ge(step, self.mc, self.log)
+        torchair = _torchair()
+        cfg = self.compiler_config if self.compiler_config is not None else ge_compiler_config()
+        if self.cache_dir is not None:
+            # No fullgraph argument: cache_compile always compiles fullgraph and ignores extra keywords.
+            fn = torchair.inference.cache_compile(
+                _module_method(step), config=cfg, cache_dir=str(self.cache_dir), dynamic=False, ge_cache=True
+            )
+        else:
+            backend = torchair.get_npu_backend(compiler_config=cfg)
+            fn = torch.compile(step, backend=backend, dynamic=False, fullgraph=True)
+        return NpuStep(fn, self)
 
 
 class NpuGraphExBackend(_NpuGraphBackend):
-    """exe_mode npugraph_ex: aclgraph capture; SK is a post-capture pass over begin/end scopes."""
+    """exe_mode npugraph_ex: aclgraph capture; SK is a post-capture pass over begin/end scopes.
 
-    mode = "npugraph_ex"
+    static_kernel_compile follows model_config.enable_static_kernel whether or not SuperKernel is
+    on: the SK pass runs after capture either way (as upstream recipes set them)."""
 
-    def __init__(self, mc: ModelConfig):
-        super().__init__(mc)
-        self.name = "npugraph_ex+superkernel" if self.superkernel else "npugraph_ex"
-        if mc.enable_cache_compile:
-            raise UnsupportedError(
-                "enable_cache_compile needs exe_mode ge_graph (torchair.inference.cache_compile); "
-                "npugraph_ex has no documented compile cache"
-            )
+    mode = base_name = "npugraph_ex"
+
+    def compile_options(self) -> dict:
+        options: dict = {"frozen_parameter": True, "static_kernel_compile": self.mc.enable_static_kernel}
+        if self.superkernel:
+            options["super_kernel_optimize"] = True
+            options["super_kernel_optimize_options"] = npugraph_sk_options(self.spec.plan)
+        return options
 
     def compile(self, step: Step) -> NpuStep:
-        return compile_npugraph_ex(step, self.mc, self.log)
-
-
-def select_backend(mc: ModelConfig) -> Backend:
-    """The Ascend backend for `mc.exe_mode`; registers the fused-op table first."""
-    register_ops()
-    if mc.exe_mode == "ge_graph":
-        return TorchairGEBackend(mc)
-    if mc.exe_mode == "npugraph_ex":
-        return NpuGraphExBackend(mc)
-    return EagerBackend("npu")
-
-
-def compile_torchair_ge(step: Callable, model_config: ModelConfig, log: _ScopeLog) -> NpuStep:
-    """torchair GE graph mode. Scopes open whatever the active scope implementation is
-    (TorchairGEBackend.scope_factory, installed by the run's execution context)."""
-    torchair = _torchair()
-    cfg = importlib.import_module("torchair.configs.compiler_config").CompilerConfig()
-    cfg.experimental_config.frozen_parameter = True  # parameter addresses fixed across steps
-    cfg.experimental_config.tiling_schedule_optimize = True  # static shapes: tiling scheduled on device
-    cfg.experimental_config.topology_sorting_strategy = "StableRDFS"
-    superkernel = model_config.superkernel_enabled
-    cache_dir = None
-    if model_config.enable_cache_compile:
-        cache_dir = cache_root(model_config) / "torchair"
-        fn = torchair.inference.cache_compile(
-            _module_method(step), config=cfg, cache_dir=str(cache_dir), dynamic=False, fullgraph=True, ge_cache=True
-        )
-    else:
-        backend = torchair.get_npu_backend(compiler_config=cfg)
-        fn = torch.compile(step, backend=backend, dynamic=False, fullgraph=True)
-    name = "torchair_ge+superkernel" if superkernel else "torchair_ge"
-    return NpuStep(fn, name, model_config, log, cache_dir)
-
-
-def _npugraph_sk_options(mc: ModelConfig) -> dict:
-    """npugraph_ex takes SK options once per compile, not per scope: only stream-fusion has a
-    documented equivalent; any other scope option would be dropped, so it is an error."""
-    sk = mc.superkernel
-    fusion = set()
-    for text in [c.options or sk.options for c in sk.custom] if sk.plan == "custom" else [sk.options]:
-        parsed = parse_options(text)
-        other = sorted(set(parsed) - {"stream-fusion"})
-        if other:
-            raise UnsupportedError(
-                f"superkernel options {', '.join(other)} exist only in exe_mode ge_graph "
-                "(torchair.scope.super_kernel); npugraph_ex supports stream-fusion only"
+        _torch_npu()  # registers the "npugraph_ex" dynamo backend and torch.npu.npugraph_ex
+        if self.cache_dir is not None:
+            fn = torch.npu.npugraph_ex.inference.cache_compile(
+                _module_method(step), cache_dir=str(self.cache_dir), dynamic=False, options=self.options
             )
-        fusion.add(int(parsed.get("stream-fusion", "0")))
-    if len(fusion) > 1:
-        raise UnsupportedError("npugraph_ex applies one stream-fusion value to all scopes; the plan's scopes disagree")
-    return {"stream_fusion": fusion.pop()}
+        else:
+            fn = torch.compile(step, backend="npugraph_ex", fullgraph=True, dynamic=False, options=self.options)
+        return NpuStep(fn, self)
 
 
-def compile_npugraph_ex(step: Callable, model_config: ModelConfig, log: _ScopeLog) -> NpuStep:
-    """aclgraph capture via the npugraph_ex backend; SK is a post-capture pass over begin/end scopes."""
-    _torch_npu()  # registers the "npugraph_ex" dynamo backend
-    superkernel = model_config.superkernel_enabled
-    options: dict = {"frozen_parameter": True, "static_kernel_compile": True}  # SK needs static kernels
-    if superkernel:
-        options["super_kernel_optimize"] = True
-        options["super_kernel_optimize_options"] = _npugraph_sk_options(model_config)
-    fn = torch.compile(step, backend="npugraph_ex", fullgraph=True, dynamic=False, options=options)
-    return NpuStep(fn, "npugraph_ex+superkernel" if superkernel else "npugraph_ex", model_config, log, None)
+def select_backend(spec: DecodeSpec) -> Backend:
+    """The Ascend backend for the run's exe_mode; the fused-op table is registered first."""
+    check_dtype(spec.dtype)
+    register_ops()
+    mode = spec.model_config.exe_mode
+    if mode == "ge_graph":
+        return TorchairGEBackend(spec)
+    if mode == "npugraph_ex":
+        return NpuGraphExBackend(spec)
+    return EagerBackend("npu")
 
 
 # --------------------------------------------------------------------------- several devices

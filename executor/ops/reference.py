@@ -51,7 +51,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 
 def moe_gating_top_k_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """npu_moe_gating_top_k_softmax(x, k)[:2]: top-k of softmax(x) in fp32 -> (weights, expert ids)."""
+    """npu_moe_gating_top_k_softmax(x, k)[:2]: top-k of softmax(x) in fp32 -> (weights, expert ids).
+
+    The weights are float32 whatever the logits' dtype (softmax in fp32, as HF's router). The
+    fused op returns its weights in its input's dtype, so the NPU table hands it float32 logits:
+    with bf16 logits it would round the weights to bf16 first, and an eager-vs-fused comparison
+    would no longer be like for like."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, idx = torch.topk(probs, k, dim=-1)
     return weights, idx

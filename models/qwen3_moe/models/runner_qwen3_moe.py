@@ -9,6 +9,7 @@ import re
 
 from executor.arch import ModelArch
 from executor.loader import LoadError, Source, Stack
+from executor.parallel.groups import Parallel
 from executor.runner import ModelRunner
 from models.qwen3_moe.models.modeling_qwen3_moe import build_model
 
@@ -24,8 +25,8 @@ class Qwen3MoeRunner(ModelRunner):
     recipe = "qwen3_moe"
     model_types = ("qwen3_moe",)
 
-    def build_model(self, arch: ModelArch):
-        return build_model(arch, self.parallel)
+    def build_model(self, arch: ModelArch, parallel: Parallel):
+        return build_model(arch, parallel)
 
     def remap_weights(self, state: dict) -> dict:
         """Stack the Hub's one-tensor-per-expert layout into (E, ., .) tensors; the router
