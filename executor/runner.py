@@ -446,13 +446,16 @@ class ModelRunner:
         }
 
     def _parallel_metrics(self, peak_mb: float) -> dict:
-        """world_size, the layout, the collectives of one decode step and every rank's peak memory."""
+        """world_size, the layout, the collectives of one decode step, every rank's peak memory and
+        intra-op threads (on CPU the launcher gives each rank its share of the cores)."""
         p = self.parallel
+        every = runtime.gather_objects((round(peak_mb, 1), torch.get_num_threads()), p)
         return {
             "world_size": p.world,
             "parallel": p.layout.describe() | {"backend": p.backend or None},
             "collectives_per_step": self.collectives,
-            "peak_memory_mb_per_rank": [round(m, 1) for m in runtime.gather_objects(peak_mb, p)],
+            "peak_memory_mb_per_rank": [peak for peak, _ in every],
+            "threads_per_rank": [threads for _, threads in every],
         }
 
 

@@ -94,6 +94,8 @@ def test_every_shipped_yaml_loads_or_names_what_is_missing(capsys):
 def test_upstream_two_device_yaml_runs_unchanged_and_matches_transformers(
     tmp_path, qwen3_ckpt, recipe, yaml_name, checkpoint
 ):
+    from executor.parallel.layout import cpu_cores
+
     """The 2-device YAMLs with only model_path edited, through infer.sh: two ranks (attention and
     lm_head TP 2; attention DP 2 + expert parallel 2), ge_graph + SuperKernel, 256 tokens per row
     equal to transformers'; rank 0 writes metrics.json with the layout, the others their logs."""
@@ -120,6 +122,7 @@ def test_upstream_two_device_yaml_runs_unchanged_and_matches_transformers(
         pc["lmhead_tp_size"],
     )
     assert layout["backend"] == "gloo" and len(m["peak_memory_mb_per_rank"]) == 2
+    assert m["threads_per_rank"] == [max(1, cpu_cores() // 2)] * 2  # the cores shared, not oversubscribed
     assert m["collectives_per_step"]["count"] > 0
     ref = ckpt.load_reference(path)
     rows = m["generated_token_ids"]
