@@ -120,6 +120,7 @@ COMMANDS = {
     "compare": ("tools.sk_compare", "baseline vs SuperKernel measurement and report"),
     "search": ("tools.scope_search", "find the fastest accurate SuperKernel plan"),
     "ge-check": ("tools.ge_check", "convert the decode graph to GE on CPU (torchair), list GE ops per scope"),
+    "accuracy": ("tools.accuracy", "the configured run against the eager float32 reference (cosine, PPL, audit)"),
 }
 
 

@@ -23,12 +23,13 @@ console and writes metrics.json; the other ranks log to their own files.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import resource
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -48,7 +49,7 @@ from executor.parallel import runtime
 from executor.parallel.groups import Parallel
 from executor.paths import results_dir
 from executor.platform import Platform, software_versions, timer
-from executor.scope import PREFILL_SCOPES, ScopeRunner
+from executor.scope import NO_PLAN, ScopeRunner
 from executor.tokenizer import BUILTIN_TOKENIZER, Tokenizer, TokenizerError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -112,6 +113,7 @@ class ModelRunner:
         self.tokenizer = Tokenizer.from_file(self._tokenizer_path())
         preflight.check_vocab(self.arch, self.tokenizer.vocab_size, str(self.tokenizer.path))
         self.decode_scopes = ScopeRunner(self.plan, active=True)
+        self.prefill_scopes = ScopeRunner(NO_PLAN, active=False)  # prefill never runs in a scope
         self.cache: KVCache | None = None
         self.truncation: list[dict] = []  # per row: prompt tokens given and kept, set by encode_prompts
         self.now = timer(platform)
@@ -227,7 +229,7 @@ class ModelRunner:
         start: int,
         stop: int,
         width: int = 0,
-        scopes: ScopeRunner = PREFILL_SCOPES,
+        scopes: ScopeRunner | None = None,
     ) -> torch.Tensor:
         """Prefill rows [start, stop), right-padded to at least `width` tokens; `scopes` is
         replaced only by the NaN locator's region tracker."""
@@ -238,7 +240,7 @@ class ModelRunner:
         for i, p in enumerate(rows):
             ids[i, : len(p)] = torch.tensor(p)
         positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
-        hidden = self.model(ids, positions, self.cache.rows(start, stop), scopes)
+        hidden = self.model(ids, positions, self.cache.rows(start, stop), scopes or self.prefill_scopes)
         return self.model.logits(hidden[torch.arange(len(rows)), lengths - 1])  # (b, V)
 
     def decode_one(self, token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -254,7 +256,14 @@ class ModelRunner:
             log.recording = False
             self.collectives = log.summary()
 
-    @torch.no_grad()
+    @contextlib.contextmanager
+    def session(self, batch: int) -> Iterator[None]:
+        """Where prefill / decode_one may be called: no autograd, the run's execution context
+        active, the KV cache sized for `batch` rows and the decode step compiled (on first use)."""
+        with torch.no_grad(), self.context.active():
+            self.prepare(batch)
+            yield
+
     def generate(
         self,
         prompt_ids: list[list[int]],
@@ -269,8 +278,7 @@ class ModelRunner:
         all_rows, (first, last) = prompt_ids, self.parallel.local_rows(len(prompt_ids))
         prompt_ids = all_rows[first:last]
         b = len(prompt_ids)
-        with self.context.active():
-            self.prepare(b)
+        with self.session(b):
             width = max(len(p) for p in all_rows)
             pre = self.prefill(prompt_ids, width=width)
             self.check_finite(

@@ -29,6 +29,7 @@ from executor.errors import run_command
 from executor.parallel import runtime
 from executor.platform import detect
 from executor.registry import runner_class
+from tools.measure import decode_path_ppl
 
 
 def run_job(job: dict) -> dict | None:
@@ -40,6 +41,8 @@ def run_job(job: dict) -> dict | None:
     try:
         prompt_ids = job.get("prompt_ids") or runner.encode_prompts()
         gen = runner.generate(prompt_ids, job["tokens"])
+        text = job.get("ppl_text")  # every rank: the perplexity's decode steps hold collectives
+        ppl = None if text is None else decode_path_ppl(runner, text, job["ppl_tokens"])
         report = runner.step.report()
         param_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         every_rank = runtime.gather_objects(param_bytes, runner.parallel)
@@ -53,6 +56,7 @@ def run_job(job: dict) -> dict | None:
             return None
         return {
             "prompt_ids": gen.prompt_ids,
+            "ppl": ppl,  # decode-path perplexity of job["ppl_text"], or None
             "token_ids": gen.token_ids,
             "prefill_ms": gen.prefill_ms,
             "decode_ms": gen.decode_ms,

@@ -167,7 +167,7 @@ class QwenForCausalLM(nn.Module):
         ctx = ForwardContext(positions, cache, scopes, cos, sin, mask)
         with scopes.region("decode_layers"):
             for layer in self.layers:
-                h = layer(h, ctx)
+                h = scopes.tap(f"layer_{layer.layer}", layer(h, ctx))
         return self.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
