@@ -429,6 +429,7 @@ class RecordingTorchNpu(types.ModuleType):
             "get_device_name": lambda device=None: device_name,
             "is_available": lambda: True,
             "device_count": lambda: 1,
+            "set_device": lambda device: None,
             "synchronize": lambda device=None: None,
             "super_kernel_scope_begin": lambda scope_name=None: torch.ops.npu.super_kernel_scope_begin(scope_name),
             "super_kernel_scope_end": lambda scope_name=None: torch.ops.npu.super_kernel_scope_end(scope_name),

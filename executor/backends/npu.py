@@ -420,3 +420,18 @@ def select_backend(spec: DecodeSpec) -> Backend:
     if mode == "npugraph_ex":
         return NpuGraphExBackend(spec)
     return EagerBackend(custom_ops.layer("npu", spec.model_config.custom_ops, custom_op_installer("eager")))
+
+
+# --------------------------------------------------------------------------- several devices
+def init_distributed(local_rank: int) -> str:
+    """Bind this rank to its NPU and name the torch.distributed backend: HCCL (torch_npu registers
+    it). Functional collectives in the decode graph become GE HcomAllReduce / HcomAllGather ops
+    (torchair's converters); inside a `super_kernel` scope GE fuses AllReduce, ReduceScatter,
+    AllGather and AlltoAll into the SuperKernel, and cuts the scope around anything it cannot fuse."""
+    _torch_npu().npu.set_device(local_rank)
+    return "hccl"
+
+
+def device_count() -> int:
+    """NPUs visible to this process (ASCEND_RT_VISIBLE_DEVICES applies)."""
+    return int(_torch_npu().npu.device_count())
