@@ -239,7 +239,8 @@ def build_plan(
 
 
 class ScopeRunner:
-    """What model code talks to: `with scopes.region(name):` opens a scope iff the plan marks it.
+    """What model code talks to: `with scopes.region(name):` opens a scope iff the plan marks it,
+    and `h = scopes.tap(name, h)` hands a region's output to an observer (the accuracy tool).
 
     `active` is False during prefill so that prefill never runs inside a scope.
     """
@@ -248,6 +249,14 @@ class ScopeRunner:
         self.plan = plan
         self.active = active
         self._specs = plan.by_region()
+        # None in every run: dynamo then sees a constant and tap() adds nothing to the graph.
+        self.observer: Callable[[str, torch.Tensor], None] | None = None
+
+    def tap(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """Identity; with an observer installed, it also records `value` as region `name`'s output."""
+        if self.observer is not None:
+            self.observer(name, value)
+        return value
 
     def region(self, name: str) -> AbstractContextManager:
         spec = self._specs.get(name) if self.active else None
@@ -257,3 +266,13 @@ class ScopeRunner:
 
 
 PREFILL_SCOPES = ScopeRunner(NO_PLAN, active=False)
+
+
+class ScopeStandIn:
+    """Base of the objects a tool passes to the model in place of a ScopeRunner (the NaN
+    locator's region tracker, op_analysis's profiler marker): they define `region`, and inherit
+    every other hook model code calls, as the identity, so a hook added to ScopeRunner for one
+    tool needs one line here, not one in every stand-in."""
+
+    def tap(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        return value

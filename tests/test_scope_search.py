@@ -17,6 +17,7 @@ import yaml
 
 from executor.cli import main as cli_main
 from executor.runner import Generation
+from executor.tokenizer import BUILTIN_CORPUS
 from tests.tool_fixtures import recipe_config
 from tools.config_edit import apply_changes
 from tools.measure import check_accuracy
@@ -38,6 +39,11 @@ custom:
     scopes:
       - {regions: ["layer_*_router"], label: "x"}
 """
+
+
+# The decode-path perplexity gate on a few tokens of an English text (the model is random: what is
+# checked is that every candidate's PPL equals eager's, not that it is low).
+PPL_TEXT = ["--text", str(BUILTIN_CORPUS), "--ppl-tokens", "48"]
 
 
 def search(capsys, *argv: str) -> tuple[int, str, str]:
@@ -65,6 +71,7 @@ def dense_search(tmp_path_factory, shared_dir) -> SimpleNamespace:
     space.write_text(DENSE_SPACE)
     out = tmp / "search"
     common = ["--config", str(config), "--search-space", str(space), "--runs", "1", "--warmup", "0", "--out", str(out)]
+    common += PPL_TEXT
     budget = search_captured(*common, "--max-minutes", "0")
     budget_status = json.loads((out / "search_status.json").read_text())
     before = config.read_text()
@@ -104,6 +111,7 @@ def test_dense_search_resumes_ranks_and_applies_the_winner(dense_search):
         assert r["status"] == "done", r
         assert r["accuracy"]["passed"] and r["accuracy"]["first_mismatch"] is None
         assert r["accuracy"]["cosine_last_step"] >= 0.999 and r["accuracy"]["tokens_checked"] == 6
+        assert r["accuracy"]["ppl"] == pytest.approx(status["reference_ppl"], rel=1e-4)  # fp32: same numbers
         assert r["summary"]["ok_runs"] == 1 and r["summary"]["step_ms"] > 0
         assert (out / "logs" / f"{name}.1.log").is_file()
     metrics = json.loads((out / "logs" / "runs" / "attn_ffn_split.1" / "metrics.json").read_text())
@@ -122,6 +130,7 @@ def test_dense_search_resumes_ranks_and_applies_the_winner(dense_search):
     report = (out / "scope_search_report.md").read_text()
     assert "portable measurement on CPU, not an Ascend result" in report.splitlines()[2]
     assert f"**Winner: {winner}**" in report and "other_model" in report
+    assert "| worst cosine | PPL (diff) |" in report and f"{status['reference_ppl']:.4f}" in report
     assert (out / "scope_search.png").read_bytes()[:4] == b"\x89PNG"
     results = json.loads((out / "scope_search_results.json").read_text())
     assert results["winner"] == winner and len(results["ranking"]) == 6
@@ -170,13 +179,14 @@ def test_moe_search(tmp_path, shared_dir, capsys):
     space.write_text("builtin_plans: [mlp, moe]\n")
     out = tmp_path / "moe_search"
     args = ["--model", "qwen3_moe", "--config", config, "--search-space", space, "--out", out]
-    rc, stdout, err = search(capsys, *map(str, args), *["--runs", "1", "--warmup", "0"])
+    rc, stdout, err = search(capsys, *map(str, args), *["--runs", "1", "--warmup", "0"], *PPL_TEXT)
     assert rc == 0, stdout + err
     status = json.loads((out / "search_status.json").read_text())
     assert list(status["candidates"]) == ["baseline", "moe"] and status["winner"] == "moe"
     assert [s["name"] for s in status["skipped"]] == ["mlp"] and "moe" in status["skipped"][0]["reason"]
     moe = status["candidates"]["moe"]
     assert moe["accuracy"]["passed"] and moe["accuracy"]["cosine_last_step"] >= 0.999
+    assert moe["accuracy"]["ppl"] == pytest.approx(status["reference_ppl"], rel=1e-4)
     metrics = json.loads((out / "logs" / "runs" / "moe.1" / "metrics.json").read_text())
     assert metrics["model_type"] == "qwen3_moe" and metrics["superkernel"]["ran"]
     assert [s["label"] for s in metrics["superkernel"]["scopes"]] == ["layer_0_moe"]
@@ -189,6 +199,43 @@ def test_moe_search(tmp_path, shared_dir, capsys):
             tmp_path / "fresh.yaml", shared_dir / "tiny_moe", shared_dir / "compile_cache", "qwen3_moe"
         ).read_text()
     )
+
+
+@pytest.mark.slow
+def test_moe_search_on_two_ranks(tmp_path, shared_dir, capsys):
+    """A multi-rank config (attention DP 2 + expert parallel 2) searched unchanged: the eager
+    reference and each candidate's accuracy run go through torchrun (tools/rank_generate.py),
+    the measured runs through infer.sh, which starts its own ranks."""
+    config = recipe_config(tmp_path / "moe.yaml", shared_dir / "tiny_moe", shared_dir / "compile_cache", "qwen3_moe")
+    space = tmp_path / "space.yaml"
+    space.write_text("builtin_plans: [moe]\n")
+    out = tmp_path / "search"
+    layout = ["parallel_config.world_size=2", "parallel_config.attn_tp_size=1", "scheduler_config.batch_size=2"]
+    args = ["--model", "qwen3_moe", "--config", str(config), "--search-space", str(space), "--out", str(out)]
+    args += [*PPL_TEXT, "--runs", "1", "--warmup", "0"]
+    rc, stdout, err = search(capsys, *args, *[a for s in layout for a in ("--set", s)])
+    assert rc == 0, stdout + err
+    status = json.loads((out / "search_status.json").read_text())
+    assert list(status["candidates"]) == ["baseline", "moe"] and status["winner"] == "moe"
+    for rec in status["candidates"].values():
+        assert rec["accuracy"]["passed"] and rec["accuracy"]["cosine_last_step"] >= 0.999, rec["accuracy"]
+    metrics = json.loads((out / "logs" / "runs" / "moe.1" / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["parallel"]["attn_dp"] == 2 and metrics["parallel"]["moe_ep"] == 2
+    assert metrics["superkernel"]["ran"] and len(metrics["generated_token_ids"]) == 2
+    assert (out / "ranks" / "rank_1.log").is_file()  # the accuracy runs' second rank
+    # the decode-path perplexity of the gate, its rows split over the two attention-DP groups (a
+    # padded group: one real row) and summed back: the one-device eager value
+    from executor.config import load_config
+    from executor.platform import detect
+    from executor.registry import runner_class
+    from tools.measure import generate_in_process
+
+    eager = ["model_config.exe_mode=eager", "model_config.enable_superkernel=false"]
+    one = load_config(config, ["scheduler_config.batch_size=2", *eager, "model_config.enable_cache_compile=false"])
+    text = Path(PPL_TEXT[1]).read_text()
+    *_, ppl = generate_in_process(runner_class("qwen3_moe"), one, detect("cpu"), 1, None, text, int(PPL_TEXT[3]))
+    assert status["reference_ppl"] == pytest.approx(ppl, rel=1e-4)
+    assert status["candidates"]["moe"]["accuracy"]["ppl"] == pytest.approx(ppl, rel=1e-3)
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -209,6 +256,14 @@ def test_accuracy_rule_rejects_with_numbers():
     drift = check_accuracy(ref, _gen([[5, 6, 7, 8]], logits, off), 4, 0.999)
     assert not drift["passed"] and drift["cosine_last_step"] == pytest.approx(29 / 30)
     assert check_accuracy(ref, _gen([[5, 6, 7, 8]], logits, off), 4, 0.9)["passed"]
+    # the accuracy tool's perplexity gate: |candidate / reference - 1| < 10% by default
+    near = check_accuracy(ref, _gen([[5, 6, 7, 8]], logits, logits), 4, 0.999, (10.0, 10.9))
+    assert near["passed"] and near["ppl_diff"] == pytest.approx(0.09)
+    far = check_accuracy(ref, _gen([[5, 6, 7, 8]], logits, logits), 4, 0.999, (10.0, 11.5))
+    assert not far["passed"] and "PPL differs by +15.00%" in far["reason"]
+    assert check_accuracy(ref, _gen([[5, 6, 7, 8]], logits, logits), 4, 0.999, (10.0, 11.5), 0.2)["passed"]
+    nan = check_accuracy(ref, _gen([[5, 6, 7, 8]], logits, logits), 4, 0.999, (10.0, float("nan")))
+    assert not nan["passed"]  # a NaN perplexity is never within any limit
 
 
 def test_bad_search_space_and_overrides_exit_2(tmp_path, shared_dir, capsys):

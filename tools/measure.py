@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -379,13 +380,35 @@ def judge(base: dict, opt: dict) -> dict:
 COSINE_MIN = {"float32": 0.999, "bfloat16": 0.99, "float16": 0.99}
 
 
-def generate_in_process(
-    runner_cls, cfg: RunConfig, platform, max_new_tokens: int, prompt_ids: list[list[int]] | None = None
-):
-    """Build the recipe's runner for `cfg` here, in this process, and greedy-decode once.
+def decode_path_ppl(runner, text: str, tokens: int) -> float:
+    """Perplexity of the first `tokens` tokens of `text` through the runner's DECODE path (one
+    token at a time through its compiled step); on several ranks every rank calls this and
+    gets the whole batch's value."""
+    from executor import accuracy
 
-    Returns (Generation, regions, prompt_ids). Used for the accuracy check, which needs the
-    logits that a log cannot carry; the decode step is compiled exactly as a run compiles it.
+    ids = runner.tokenizer.encode(text)[:tokens]
+    if len(ids) < 2:
+        raise ConfigError("--text: the evaluation text has fewer than 2 tokens")
+    wins = accuracy.windows(ids, runner.max_len)
+    return accuracy.perplexity_decode(runner, wins, runner.cfg.scheduler_config.batch_size).ppl
+
+
+def generate_in_process(
+    runner_cls,
+    cfg: RunConfig,
+    platform,
+    max_new_tokens: int,
+    prompt_ids: list[list[int]] | None = None,
+    ppl_text: str | None = None,
+    ppl_tokens: int = 256,
+):
+    """Build the recipe's runner for `cfg` here, in this process, and greedy-decode once; with
+    `ppl_text`, also the perplexity of its first `ppl_tokens` tokens through the DECODE path (one token at a time
+    through the same compiled step, so what a SuperKernel scope computes is what is measured).
+
+    Returns (Generation, regions, prompt_ids, ppl or None). Used for the accuracy check, which
+    needs the logits that a log cannot carry; the decode step is compiled exactly as a run
+    compiles it.
     """
     import gc
     import io
@@ -396,21 +419,86 @@ def generate_in_process(
     try:
         prompt_ids = prompt_ids or runner.encode_prompts()
         gen = runner.generate(prompt_ids, max_new_tokens)
-        return gen, runner.model.regions(), prompt_ids
+        ppl = None if ppl_text is None else decode_path_ppl(runner, ppl_text, ppl_tokens)
+        return gen, runner.model.regions(), prompt_ids, ppl
     finally:
         del runner
         torch._dynamo.reset()  # drop the compiled step (and its memory) before the next candidate
         gc.collect()
 
 
-def check_accuracy(ref, cand, tokens: int, cosine_min: float) -> dict:
-    """Greedy tokens identical for the first `tokens` tokens, and logits cosine >= cosine_min.
+def generate(
+    model: str,
+    runner_cls,
+    config: Path,
+    overrides: list[str],
+    platform,
+    max_new_tokens: int,
+    prompt_ids: list[list[int]] | None = None,
+    work_dir: Path | None = None,
+    ppl_text: str | None = None,
+    ppl_tokens: int = 256,
+):
+    """generate_in_process for a one-device config; for several devices the same through
+    torchrun (generate_ranks), since the ranks cannot share this process. Same return value."""
+    cfg = load_config(config, overrides)
+    world = cfg.parallel_config.world_size
+    if world == 1:
+        return generate_in_process(runner_cls, cfg, platform, max_new_tokens, prompt_ids, ppl_text, ppl_tokens)
+    job = {"model": model, "config": str(config), "overrides": list(overrides), "tokens": max_new_tokens}
+    job |= {"prompt_ids": prompt_ids, "ppl_text": ppl_text, "ppl_tokens": ppl_tokens}
+    (result,) = generate_ranks([job], world, platform, work_dir or Path(tempfile.mkdtemp(prefix="ranks_")))
+    return as_generation(result), as_regions(result), result["prompt_ids"], result["ppl"]
+
+
+def generate_ranks(jobs: list[dict], world_size: int, platform, work_dir: Path) -> list[dict]:
+    """Run `jobs` ({model, config, overrides, tokens, prompt_ids}) one after another on `world_size`
+    ranks started by torchrun (tools/rank_generate.py); rank 0's result per job: the batch's
+    tokens and logits and what the decode step reported. Rank logs are in `work_dir`."""
+    import torch
+
+    from executor.parallel import launch
+
+    for job in jobs:  # a bad config is this process's one-line error, not every rank's
+        load_config(job["config"], job["overrides"])
+    work_dir.mkdir(parents=True, exist_ok=True)
+    jobs = [dict(job, save=str(work_dir / f"job_{i}.pt")) for i, job in enumerate(jobs)]
+    spec = work_dir / "jobs.json"
+    spec.write_text(json.dumps({"out": str(work_dir), "jobs": jobs}))
+    plan = launch.plan(world_size, "", platform, "tools.rank_generate", ["--jobs", str(spec)])
+    if launch.launch(plan, work_dir) != 0:
+        raise MeasureError(f"{world_size}-rank generation failed (rank logs in {work_dir})")
+    return [torch.load(job["save"]) for job in jobs]
+
+
+def as_generation(result: dict):
+    """A rank_generate result as the runner's Generation."""
+    from executor.runner import Generation
+
+    fields = ("prompt_ids", "token_ids", "prefill_ms", "decode_ms", "first_logits", "last_logits")
+    return Generation(*(result[f] for f in fields))
+
+
+def as_regions(result: dict) -> list:
+    from executor.scope import Region
+
+    return [Region(*r) for r in result["regions"]]
+
+
+def check_accuracy(
+    ref, cand, tokens: int, cosine_min: float, ppl: tuple[float, float] | None = None, ppl_max_diff: float = 0.10
+) -> dict:
+    """Greedy tokens identical for the first `tokens` tokens, logits cosine >= cosine_min, and,
+    given `ppl` = (reference, candidate) decode-path perplexities, |relative difference| below
+    `ppl_max_diff` (the accuracy tool's gate, executor/accuracy.py).
 
     Both the prefill logits and the last decode step's logits are compared (row-wise, the
     minimum over the batch): the prefill ones catch a wrong setup, the decode ones a wrong
     compiled step.
     """
     import torch.nn.functional as F
+
+    from executor.accuracy import relative_difference
 
     mismatch = None
     for row_ref, row_cand in zip(ref.token_ids, cand.token_ids):
@@ -422,22 +510,26 @@ def check_accuracy(ref, cand, tokens: int, cosine_min: float) -> dict:
         float(F.cosine_similarity(a.float(), b.float(), dim=-1).min())
         for a, b in ((ref.first_logits, cand.first_logits), (ref.last_logits, cand.last_logits))
     ]
-    passed = mismatch is None and min(cos) >= cosine_min
-    why = (
-        "ok"
-        if passed
-        else f"greedy tokens differ from eager at token {mismatch}"
-        if mismatch is not None
-        else f"logits cosine {min(cos):.6f} < {cosine_min}"
-    )
+    diff = relative_difference(ppl[1], ppl[0]) if ppl else None
+    why = []
+    if mismatch is not None:
+        why.append(f"greedy tokens differ from eager at token {mismatch}")
+    if not min(cos) >= cosine_min:
+        why.append(f"logits cosine {min(cos):.6f} < {cosine_min}")
+    if diff is not None and not abs(diff) < ppl_max_diff:
+        why.append(f"decode-path PPL differs by {100 * diff:+.2f}% (limit {100 * ppl_max_diff:g}%)")
     return {
-        "passed": passed,
+        "passed": not why,
         "tokens_checked": tokens,
         "first_mismatch": mismatch,
         "cosine_prefill": cos[0],
         "cosine_last_step": cos[1],
+        "cosine_worst": min(cos),
         "cosine_min": cosine_min,
-        "reason": why,
+        "ppl_reference": ppl[0] if ppl else None,
+        "ppl": ppl[1] if ppl else None,
+        "ppl_diff": diff,
+        "reason": "; ".join(why) or "ok",
     }
 
 

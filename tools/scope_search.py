@@ -32,6 +32,7 @@ if __package__ in (None, ""):  # `python tools/scope_search.py`: make the repo i
 
 
 from executor import stats
+from executor.accuracy import Gate
 from executor.compile import resolve_dtype
 from executor.config import ConfigError, load_config, read_yaml
 from executor.errors import run_command
@@ -39,6 +40,7 @@ from executor.paths import CONFIGS_DIR, MODELS_DIR, REPO_ROOT, claim_output_dir,
 from executor.registry import recipe_parser
 from executor.scope import REGION_KINDS, ScopeError, build_plan, parse_options
 from tools import measure
+from tools.accuracy import eval_text
 from tools.config_edit import apply_changes
 from tools.measure import fmt
 from tools.startup import ToolStart, start
@@ -78,6 +80,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=1, help="warm-up runs per candidate (default: 1)")
     p.add_argument("--check-tokens", type=int, default=8, help="greedy tokens that must equal eager (default: 8)")
     p.add_argument("--cosine-min", type=float, help="logits cosine floor (default: 0.999 fp32, 0.99 bf16/fp16)")
+    p.add_argument(
+        "--text", help="evaluation text for the decode-path perplexity (default: models/<model>/builtin/eval.txt)"
+    )
+    p.add_argument(
+        "--ppl-tokens", type=int, default=256, help="evaluation-text tokens fed through each decode path (default: 256)"
+    )
+    p.add_argument(
+        "--ppl-max-diff",
+        type=float,
+        default=100 * Gate.ppl_rel_max,
+        help="|decode-path PPL difference| %% vs eager that rejects a candidate (default: 10, the accuracy gate)",
+    )
     p.add_argument(
         "--max-minutes",
         type=float,
@@ -267,8 +281,12 @@ class Search:
     cosine_min: float
     runs: int
     warmup: int
+    ppl_text: str  # evaluation text: its perplexity through each decode path is compared with eager's
+    ppl_tokens: int  # how many of its tokens
+    ppl_max_diff: float  # relative
     prompts: list[list[int]] | None = None  # the eager reference's prompt ids and generation
     ref: Any = None
+    ref_ppl: float | None = None  # the eager reference's decode-path perplexity
 
 
 def run_candidate(search: Search, cand: dict, rec: dict, position: str) -> None:
@@ -278,14 +296,22 @@ def run_candidate(search: Search, cand: dict, rec: dict, position: str) -> None:
     rec["started"] = datetime.datetime.now().isoformat(timespec="seconds")
     try:
         changes, rec["config_changes"] = measure.side_changes(st.cfg, cand["superkernel"])
-        ccfg = measure.write_side_config(st.config, copy, changes, search.overrides)
+        measure.write_side_config(st.config, copy, changes, search.overrides)  # validates the copy
         rec["config_copy"] = str(copy)
-        progress(f"{position} {name}: compile + accuracy check vs eager ({search.tokens} tokens) ...")
-        gen, _, _ = measure.generate_in_process(st.runner, ccfg, st.platform, search.tokens, search.prompts)
-        acc = rec["accuracy"] = measure.check_accuracy(search.ref, gen, search.tokens, search.cosine_min)
+        progress(
+            f"{position} {name}: compile + accuracy check vs eager ({search.tokens} tokens, PPL on "
+            f"{search.ppl_tokens} tokens through the decode step) ..."
+        )
+        gen, _, _, ppl = measure.generate(
+            st.model, st.runner, copy, search.overrides, st.platform, search.tokens, search.prompts, out / "ranks",
+            search.ppl_text, search.ppl_tokens,
+        )  # fmt: skip
+        acc = rec["accuracy"] = measure.check_accuracy(
+            search.ref, gen, search.tokens, search.cosine_min, (search.ref_ppl, ppl), search.ppl_max_diff
+        )
         progress(
             f"{position} {name}: accuracy {'ok' if acc['passed'] else 'REJECTED'} ({acc['reason']}; "
-            f"cosine {acc['cosine_last_step']:.6f})"
+            f"worst cosine {acc['cosine_worst']:.6f}, PPL {ppl:.4f} vs eager {search.ref_ppl:.4f})"
         )
         if not acc["passed"]:
             rec.update(status="rejected", reason=f"accuracy: {acc['reason']}")
@@ -321,16 +347,22 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.runs < 1 or args.warmup < 0 or args.check_tokens < 1 or (args.max_minutes or 0) < 0:
         p.error("--runs and --check-tokens must be >= 1, --warmup and --max-minutes >= 0")
+    if args.ppl_tokens < 2 or not args.ppl_max_diff > 0:
+        p.error("--ppl-tokens must be >= 2 and --ppl-max-diff > 0")
     st = start(args, "scope_search")
     config, cfg, platform = st.config, st.cfg, st.platform
     space_path = Path(args.search_space).resolve() if args.search_space else DEFAULT_SPACE
     space = load_search_space(space_path)
+    text_path, text = eval_text(args.model, args.text)
     tokens = min(args.check_tokens, cfg.scheduler_config.max_new_tokens)
     dtype = resolve_dtype(cfg.model_config.dtype, platform)
     cosine_min = args.cosine_min if args.cosine_min is not None else measure.COSINE_MIN[dtype]
     out = _out_dir(args)
     progress = measure.Progress("scope_search")
-    search = Search(st, out, progress, args.overrides, tokens, cosine_min, args.runs, args.warmup)
+    search = Search(
+        st, out, progress, args.overrides, tokens, cosine_min, args.runs, args.warmup, text, args.ppl_tokens,
+        args.ppl_max_diff / 100,
+    )  # fmt: skip
     # What makes two searches the same one: resuming across a change of any of these would mix results.
     signature = {
         "model": args.model,
@@ -342,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "check_tokens": tokens,
         "cosine_min": cosine_min,
+        "text": str(text_path),
+        "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "ppl_tokens": args.ppl_tokens,
+        "ppl_max_diff_percent": args.ppl_max_diff,
         "platform": platform.kind,
     }
     with claim_output_dir(out, None, resumes=STATUS):  # a file, unwritable, another command's results, in use
@@ -365,16 +401,18 @@ def _search(args, search: Search, signature: dict, space: dict) -> int:
     with measure.sigterm_as_interrupt():
         try:
             progress(f"eager reference: {tokens} greedy tokens on the config's prompts ...")
-            eager = load_config(
-                config,
-                [
-                    *args.overrides,
-                    "model_config.exe_mode=eager",
-                    f"{measure.switch_key(cfg)}=false",
-                    "model_config.enable_cache_compile=false",
-                ],
-            )
-            search.ref, regions, search.prompts = measure.generate_in_process(st.runner, eager, platform, tokens)
+            eager = [
+                *args.overrides,
+                "model_config.exe_mode=eager",
+                f"{measure.switch_key(cfg)}=false",
+                "model_config.enable_cache_compile=false",
+            ]
+            search.ref, regions, search.prompts, search.ref_ppl = measure.generate(
+                st.model, st.runner, config, eager, platform, tokens, None, out / "ranks", search.ppl_text,
+                search.ppl_tokens,
+            )  # fmt: skip
+            status["reference_ppl"] = search.ref_ppl
+            progress(f"eager reference: decode-path PPL {search.ref_ppl:.4f} (first {search.ppl_tokens} tokens)")
             cands, status["skipped"] = candidates(
                 regions, space, platform.kind, cfg.model_config.superkernel.options, cfg.model_config.model_name
             )
@@ -518,6 +556,9 @@ def write_report(out: Path, args, config: Path, platform, status: dict, ranked, 
                 "winner_speedup_over": r.get("winner_speedup_over"),
                 "first_mismatch": a.get("first_mismatch"),
                 "cosine_last_step": a.get("cosine_last_step"),
+                "cosine_worst": a.get("cosine_worst"),
+                "ppl": a.get("ppl"),
+                "ppl_diff_percent": None if a.get("ppl_diff") is None else 100 * a["ppl_diff"],
                 "reason": r.get("reason"),
             }
         )
@@ -569,8 +610,10 @@ def write_report(out: Path, args, config: Path, platform, status: dict, ranked, 
         f"overrides {', '.join(f'`{o}`' for o in sig['overrides']) or 'none'}",
         f"- platform {platform.describe()}; {sig['warmup']} warm-up + {sig['runs']} measured run(s) per candidate "
         "(tools/measure.py, the sk_compare measurement)",
-        f"- accuracy vs the eager run on the same prompts: first {sig['check_tokens']} greedy tokens identical and "
-        f"logits cosine >= {sig['cosine_min']}",
+        f"- accuracy vs the eager run on the same prompts: first {sig['check_tokens']} greedy tokens identical, "
+        f"logits cosine >= {sig['cosine_min']} (prefill and last decode step), and perplexity through the decode "
+        f"step on {sig['ppl_tokens']} tokens of `{sig['text']}` within {sig['ppl_max_diff_percent']:g}% of eager's"
+        + (f" ({status['reference_ppl']:.4f})" if status.get("reference_ppl") else ""),
         f"- started {status.get('started')}, updated {status.get('updated')}"
         + (
             f"; --max-minutes {args.max_minutes} (checked before each candidate starts; a running one finishes)"
@@ -581,14 +624,15 @@ def write_report(out: Path, args, config: Path, platform, status: dict, ranked, 
         "## Candidates",
         "",
         "| rank | candidate | plan | options | status | ms/step | tokens/s | CV | vs baseline "
-        "| winner's speedup over it | cosine | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| winner's speedup over it | worst cosine | PPL (diff) | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     head += [
         f"| {r['rank'] or '-'} | {r['candidate']} | {r['plan']} | {r['options'] or '-'} | {r['status']} | "
         f"{fmt(r['step_ms'])} | {fmt(r['tokens_per_s'], '.1f')} | {fmt(r['cv_percent'], '.1f', '%')} | "
         f"{fmt(r['speedup_vs_baseline'], '.3f', 'x')} | {fmt(r['winner_speedup_over'], '.3f', 'x')} | "
-        f"{fmt(r['cosine_last_step'], '.6f')} | {r['reason'] or ''} |"
+        f"{fmt(r['cosine_worst'], '.6f')} | {fmt(r['ppl'], '.4f')} ({fmt(r['ppl_diff_percent'], '+.2f', '%')}) | "
+        f"{r['reason'] or ''} |"
         for r in rows
     ]
     head += ["", "Not applicable to this model:", ""] + [f"- {s['name']}: {s['reason']}" for s in status["skipped"]]

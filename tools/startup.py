@@ -26,10 +26,15 @@ class ToolStart:
     platform: Platform
 
 
-def start(args: argparse.Namespace, tool: str) -> ToolStart:
-    """Validate the recipe arguments in the order a user fixes them: model, config, overrides, device."""
+def start(args: argparse.Namespace, tool: str, owns_superkernel: bool = True) -> ToolStart:
+    """Validate the recipe arguments in the order a user fixes them: model, config, overrides, device.
+
+    A tool that sets the SuperKernel keys of its sides itself (`owns_superkernel`) refuses them in
+    --set and checks the cross-field rules on each side's copy; another tool runs the config as
+    given, so every rule is checked here."""
     runner = runner_class(args.model)
     config = config_path(args.model, args.yaml, args.config).resolve()
-    measure.reject_superkernel_overrides(args.overrides, tool)
-    cfg = load_config(config, args.overrides, check=False)
+    if owns_superkernel:
+        measure.reject_superkernel_overrides(args.overrides, tool)
+    cfg = load_config(config, args.overrides, check=not owns_superkernel)
     return ToolStart(args.model, runner, config, cfg, detect(cfg.model_config.device))

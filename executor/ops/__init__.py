@@ -32,13 +32,35 @@ _active: dict[str, Callable] = dict(_TABLES["reference"])
 _active_name = ["reference"]
 
 
-def register(name: str, table: dict[str, Callable]) -> None:
-    """Register an implementation table; ops it does not provide fall back to the reference
-    (explicitly, so `implementations()` shows which op runs where)."""
+_BASES: dict[str, str | None] = {"reference": "reference"}  # table -> where its other ops come from
+
+
+def register(name: str, table: dict[str, Callable], base: str | None = None) -> None:
+    """Register an implementation table. Ops it does not provide come from the reference: as a
+    declared base (`base="reference"`: a table that only overrides some ops) or, without one,
+    as fallbacks, which `provenance()` reports and the accuracy tool's audit fails."""
     unknown = set(table) - set(OP_NAMES)
     if unknown:
         raise ValueError(f"unknown ops {sorted(unknown)}; known: {', '.join(OP_NAMES)}")
+    if base not in (None, "reference"):
+        raise ValueError(f"base {base!r}: tables build on the reference only")
     _TABLES[name] = {**_TABLES["reference"], **table}
+    _BASES[name] = base
+    _OWN[name] = set(table)
+
+
+_OWN: dict[str, set[str]] = {"reference": set(OP_NAMES)}
+
+
+def provenance(table: str) -> dict[str, str]:
+    """Per op of `table`: "own" (the table's implementation), "base" (inherited from the declared
+    base) or "fallback" (the table lacks it and nothing declared where it should come from)."""
+    own, base = _OWN[table], _BASES[table]
+    return {op: "own" if op in own else "base" if base else "fallback" for op in OP_NAMES}
+
+
+def registered() -> list[str]:
+    return list(_TABLES)
 
 
 @contextlib.contextmanager
@@ -66,6 +88,14 @@ def implementations(table: str | None = None) -> dict[str, str]:
     """Which function implements each op of `table` (default: the active one), for metrics.json."""
     fns = _active if table is None else _TABLES[table]
     return {name: f"{fn.__module__}.{fn.__name__}" for name, fn in fns.items()}
+
+
+def table(name: str) -> dict[str, Callable]:
+    """A copy of registered table `name` (op -> function): the base that custom ops are layered on
+    (executor.custom_ops.layer)."""
+    if name not in _TABLES:
+        raise ValueError(f"op implementation {name!r} is not registered; registered: {', '.join(_TABLES)}")
+    return dict(_TABLES[name])
 
 
 def rms_norm(x, weight, eps):
