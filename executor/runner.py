@@ -416,6 +416,8 @@ class ModelRunner:
             "model_name": mc.model_name,
             "recipe": self.recipe,
             "model_type": self.arch.model_type,
+            "model_path": self.model_path,  # resolved ("builtin" -> models/<recipe>/builtin); "" = debug_size
+            "weights": "checkpoint" if mc.with_ckpt else f"random (seed {mc.seed})",
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "platform": self.platform.kind,
             "soc_class": self.platform.soc_class,

@@ -145,7 +145,10 @@ ERROR_CASES = {
         ["--set", "model_config.model_path=/nonexistent/qwen_ckpt", "--set", "model_config.with_ckpt=true"],
         ["/nonexistent/qwen_ckpt"],
     ),
-    "with_ckpt_no_path": (["--set", "model_config.with_ckpt=true"], ["model_config.model_path", "with_ckpt"]),
+    "with_ckpt_no_path": (
+        ["--set", 'model_config.model_path=""', "--set", "model_config.with_ckpt=true"],
+        ["model_config.model_path", "with_ckpt"],
+    ),
     "npugraph_ex_on_cpu": (["--set", "model_config.exe_mode=npugraph_ex"], ["npugraph_ex", "NPU", "ge_graph"]),
     "static_kernel_without_npugraph_ex": (
         ["--set", "model_config.exe_mode=ge_graph", "--set", "model_config.enable_static_kernel=true"],
@@ -294,7 +297,7 @@ def test_load_config_defaults_and_recipe_file():
         "decoder",
     )
     assert cfg.model_config.enable_cache_compile and cfg.data_config.input_truncated_len == 64
-    assert cfg.data_config.prompts == ("The weather today is",)
+    assert cfg.data_config.prompts == ("The function returns", "Python is a programming language that")
 
 
 def test_overrides_are_type_checked():

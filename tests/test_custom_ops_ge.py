@@ -39,7 +39,8 @@ def report(tmp_path_factory) -> dict:
     model = tiny_model(work / "model", dict(TINY_DENSE, num_hidden_layers=LAYERS))
     out = work / "ge_check.json"
     cmd = [sys.executable, str(REPO / "tools/ge_check.py"), "--model", "qwen", "--json", str(out)]
-    cmd += ["--set", f"model_config.model_path={model}", "--set", "model_config.custom_ops=[decode_attention]"]
+    cmd += ["--set", f"model_config.model_path={model}", "--set", "model_config.with_ckpt=false"]  # config.json only
+    cmd += ["--set", "model_config.custom_ops=[decode_attention]"]
     cmd += ["--set", f"model_config.superkernel.options={OPTIONS}", "--dump-dir", str(work / "dumps")]
     for plan in SCOPE_OF_LAYER:
         cmd += ["--plan", plan]
@@ -91,7 +92,8 @@ def moe_report(tmp_path_factory) -> dict:
     model = tiny_model(work / "model", dict(TINY_MOE, num_hidden_layers=LAYERS))
     out = work / "ge_check.json"
     cmd = [sys.executable, str(REPO / "tools/ge_check.py"), "--model", "qwen3_moe", "--json", str(out)]
-    cmd += ["--set", f"model_config.model_path={model}", "--set", "model_config.custom_ops=[decode_attention]"]
+    cmd += ["--set", f"model_config.model_path={model}", "--set", "model_config.with_ckpt=false"]  # config.json only
+    cmd += ["--set", "model_config.custom_ops=[decode_attention]"]
     cmd += ["--set", f"model_config.superkernel.options={OPTIONS}", "--set", MOE_SCOPE, "--plan", "moe"]
     cmd += ["--plan", "custom", "--dump-dir", str(work / "dumps")]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)

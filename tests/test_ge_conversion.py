@@ -78,7 +78,8 @@ def run_ge_check(recipe: str, workdir: Path, extra_env: dict | None = None) -> t
     out = workdir / "ge_check.json"
     custom = json.dumps(_custom(spec["ffn"]))
     cmd = [sys.executable, str(REPO / "tools/ge_check.py"), "--model", recipe, "--json", str(out), "--probe"]
-    cmd += ["--set", f"model_config.model_path={model}", "--set", f"model_config.superkernel.options={OPTIONS}"]
+    cmd += ["--set", f"model_config.model_path={model}", "--set", "model_config.with_ckpt=false"]  # config.json only
+    cmd += ["--set", f"model_config.superkernel.options={OPTIONS}"]
     cmd += ["--set", f"model_config.superkernel.custom={custom}", "--dump-dir", str(workdir / "dumps")]
     for plan in _plans(spec["ffn"]):
         cmd += ["--plan", plan]

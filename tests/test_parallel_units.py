@@ -276,7 +276,8 @@ def test_memory_estimate_is_per_rank_and_counts_every_rank_of_the_machine(tmp_pa
     assert tp.weights == one.weights - split // 2 and dp.weights == one.weights  # DP: attention replicated
     assert tp.kv_cache == dp.kv_cache == one.kv_cache // 2
     assert (tp.ranks_sharing, tp.needed_here) == (2, 2 * tp.needed) and one.ranks_sharing == 1
-    args = ["run", *W2, "--set", "model_config.debug_size=qwen3-0.6b", "--set", "scheduler_config.batch_size=100000"]
+    args = ["run", *W2, "--set", 'model_config.model_path=""', "--set", "model_config.with_ckpt=false"]
+    args += ["--set", "model_config.debug_size=qwen3-0.6b", "--set", "scheduler_config.batch_size=100000"]
     line = assert_user_error(CompletedRun(cli_main([*args, "--out", str(tmp_path / "o")]), capsys.readouterr()))
     assert "memory: 2 ranks on this machine need about" in line and "scheduler_config.batch_size" in line, line
     assert "per rank" in line and not (tmp_path / "o").exists()

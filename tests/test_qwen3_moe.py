@@ -221,7 +221,8 @@ def test_ge_graph_matches_eager(checkpoints, eager_generation, plan, labels):
 
 
 # --------------------------------------------------------------------------- end to end
-def test_recipe_infer_sh_runs_the_builtin_moe_debugmodel(tmp_path):
+def test_recipe_infer_sh_runs_the_builtin_moe_model(tmp_path):
+    """The recipe's default YAML: the trained built-in checkpoint (models/qwen3_moe/builtin)."""
     proc = subprocess.run(
         [
             "bash",
@@ -238,7 +239,10 @@ def test_recipe_infer_sh_runs_the_builtin_moe_debugmodel(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["recipe"] == "qwen3_moe" and metrics["model_type"] == "qwen3_moe"
-    assert metrics["config"]["model_config"]["debug_size"] == "moe-debugmodel"
+    mc = metrics["config"]["model_config"]
+    assert (mc["model_path"], mc["with_ckpt"]) == ("builtin", True)
+    assert metrics["model_path"] == str(ROOT / "models" / "qwen3_moe" / "builtin")
+    layers = json.loads((ROOT / "models" / "qwen3_moe" / "builtin" / "config.json").read_text())["num_hidden_layers"]
     assert len(metrics["generated_token_ids"][0]) == 4 and len(metrics["decode_ms"]) == 3
-    assert [r for r in metrics["regions"] if r.endswith("_moe")] == [f"layer_{i}_moe" for i in range(8)]
+    assert [r for r in metrics["regions"] if r.endswith("_moe")] == [f"layer_{i}_moe" for i in range(layers)]
     assert "qwen3_moe inference time cost of decode is" in proc.stdout

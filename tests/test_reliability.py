@@ -28,6 +28,9 @@ from tests.tool_fixtures import TINY_DENSE, TINY_MOE, recipe_config
 REPO = Path(__file__).resolve().parent.parent
 EAGER = ["--set", "model_config.exe_mode=eager", "--set", "model_config.enable_superkernel=false"]
 EAGER += ["--set", "model_config.enable_cache_compile=false", "--set", "scheduler_config.max_new_tokens=4"]
+# The default YAML loads the built-in checkpoint; the model directories written here hold only
+# config.json (seeded random weights), so the runs below turn with_ckpt off (a test may turn it on).
+EAGER += ["--set", "model_config.with_ckpt=false"]
 
 
 def run(capsys, *argv: str) -> CompletedRun:
@@ -117,9 +120,10 @@ def no_allocation(monkeypatch):
     monkeypatch.setattr(runner_mod, "KVCache", forbidden)
 
 
+DEBUG_SIZE = ["--set", 'model_config.model_path=""', "--set", "model_config.with_ckpt=false"]  # debug_size applies
 MEMORY_CASES = {
     "impossible_batch": (
-        ["--set", "model_config.debug_size=qwen3-0.6b", "--set", "scheduler_config.batch_size=100000"],
+        [*DEBUG_SIZE, "--set", "model_config.debug_size=qwen3-0.6b", "--set", "scheduler_config.batch_size=100000"],
         ["scheduler_config.batch_size 100000", "28 layers", "GB of host RAM", "available"],
     ),
     "impossible_max_new_tokens": (
@@ -196,6 +200,7 @@ def test_nan_in_decode_names_the_step(tmp_path, capsys, qwen2_ckpt, make_qwen_ru
     assert first not in prompt[0]
     model = _poisoned_copy(qwen2_ckpt, tmp_path / "nan", "model.embed_tokens.weight", row=first)
     args = ["--set", f"model_config.model_path={model}", "--set", "model_config.with_ckpt=true"]
+    args += ["--set", f"data_config.prompts={json.dumps(runner.prompts()[:1])}"]  # the prompt `first` came from
     proc = run(capsys, "run", *EAGER, *args, "--out", str(tmp_path / "out"))
     assert_user_error(proc, "NaN in the logits at decode step 1, row 0", "outside every layer region", "embedding")
 
