@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import os
 import resource
 import statistics
 import sys
@@ -370,6 +371,8 @@ class ModelRunner:
             "platform_reason": self.platform.reason,
             "versions": software_versions(),
             "torch_version": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "libgomp default"),  # see executor/__init__.py
             "exe_mode": mc.exe_mode,
             "backend": report.backend,
             "dtype": self.dtype_name,  # resolved (config may say auto)
