@@ -210,7 +210,8 @@ class ModelRunner:
         for i, p in enumerate(rows):
             ids[i, : len(p)] = torch.tensor(p)
         positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
-        hidden = self.model(ids, positions, self.cache.rows(start, stop), scopes or self.prefill_scopes)
+        cache = self.cache.rows(start, stop, ids.shape[1])  # the prompt's slots only
+        hidden = self.model(ids, positions, cache, scopes or self.prefill_scopes)
         return self.model.logits(hidden[torch.arange(len(rows)), lengths - 1])  # (b, V)
 
     def decode_one(self, token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
