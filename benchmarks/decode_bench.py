@@ -14,7 +14,15 @@ bytes = weights (MoE: the router and the experts a batch is expected to touch) +
 that is valid at the timed positions; FLOPs = 2 x parameters used per token x batch + attention.
 Both rates are measured by this script on this machine, in --dtype.
 
+With --world-size N > 1 the same modes run on N ranks (torchrun, executor.parallel.launch;
+layout `tp`: attention, MLP and lm_head tensor parallel over all ranks, MoE experts split
+by moe TP; `dp-ep`: attention data parallel, experts split by expert parallel), without the
+transformers peers, and the table adds the collectives of one decode step and their share of
+it: each collective the step issues is timed alone (same op, group and size, both ranks
+ready, median of 200), summed, and divided by the step time.
+
   python benchmarks/decode_bench.py --size bench-overhead
+  python benchmarks/decode_bench.py --size bench-overhead --world-size 2 --plans decoder
   python benchmarks/decode_bench.py --size qwen3-0.6b --plans decoder --dtype bfloat16 --batch 1,4,16,64 --plot b.png
   python benchmarks/decode_bench.py --size qwen3-0.6b --plans decoder --prompt-len 2048 --max-len 16384
   python benchmarks/decode_bench.py --model qwen3_moe --size moe-debugmodel
@@ -28,7 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from executor.arch import MODEL_SIZES, ModelArch, arch_from_dict  # noqa: E402
 from executor.config import load_config  # noqa: E402
+from executor.parallel import launch, runtime  # noqa: E402
 from executor.platform import detect  # noqa: E402
 from executor.registry import default_config, runner_class  # noqa: E402
 from executor.tokenizer import BUILTIN_TOKENIZER  # noqa: E402
@@ -52,6 +61,7 @@ class Row:
     ms: float  # median decode ms/step
     compile_s: float | None
     tokens: list[list[int]]  # greedy tokens per row
+    calls: list = field(default_factory=list)  # with several ranks: the collectives of one decode step
 
 
 def make_checkpoint(cfg: dict, path: Path, seed: int) -> None:
@@ -161,9 +171,15 @@ def hf_decode(path: Path, prompts: list[list[int]], steps: int, dtype: torch.dty
     return Row(name, statistics.median(deltas), compile_s, tokens)
 
 
+LAYOUTS = {  # --layout -> parallel_config for N ranks
+    "tp": lambda n: [f"attn_tp_size={n}", f"moe_tp_size={n}", f"lmhead_tp_size={n}"],
+    "dp-ep": lambda n: ["attn_tp_size=1", "moe_tp_size=1"],
+}
+
+
 def our_decode(
     recipe: str, path: Path, exe_mode: str, plan: str | None, prompts: list[list[int]], steps: int, dtype: str,
-    max_len: int,
+    max_len: int, parallel: list[str] = (),
 ) -> Row:  # fmt: skip
     overrides = [
         f"model_config.model_path={path}",
@@ -179,6 +195,7 @@ def our_decode(
     ]  # ids are given; text is not used
     if plan:
         overrides.append(f"model_config.superkernel.plan={plan}")
+    overrides += [f"parallel_config.{p}" for p in parallel]
     cfg = load_config(default_config(recipe), overrides)
     runner = runner_class(recipe)(cfg, detect("cpu"), None)
     t0 = time.perf_counter()
@@ -186,10 +203,37 @@ def our_decode(
     compile_s = time.perf_counter() - t0
     runner.generate(prompts, steps + 1)  # warm caches
     gen = runner.generate(prompts, steps + 1)
+    calls = list(runner.parallel.log.calls)  # the collectives of one decode step
     del runner
     torch._dynamo.reset()
     name = f"ours {exe_mode}" + (f" + SK {plan}" if plan else "")
-    return Row(name, statistics.median(gen.decode_ms), None if exe_mode == "eager" else compile_s, gen.token_ids)
+    return Row(name, statistics.median(gen.decode_ms), None if exe_mode == "eager" else compile_s, gen.token_ids, calls)
+
+
+def collective_ms(calls: list[tuple[str, str, int]], iters: int = 200) -> float:
+    """Sum over a step's collectives of each one's median time, run alone (eager funcol)."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    total = 0.0
+    for op, group, nbytes in calls:
+        size = dist.get_world_size(dist.distributed_c10d._resolve_process_group(group))
+        if op == "all_reduce":
+            x = torch.zeros(nbytes // 4)
+            run = lambda x=x, group=group: funcol.wait_tensor(funcol.all_reduce(x, "sum", group))  # noqa: E731
+        else:  # all_gather: bytes are the gathered output's
+            x = torch.zeros(nbytes // 4 // size)
+            run = lambda x=x, group=group: funcol.wait_tensor(funcol.all_gather_single(x, 0, group))  # noqa: E731
+        for _ in range(10):
+            run()
+        dist.barrier()
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        total += statistics.median(times) * 1e3
+    return total
 
 
 def token_check(tokens: list[list[int]], ref: list[list[int]]) -> str:
@@ -214,6 +258,10 @@ def main(argv=None) -> int:
     p.add_argument("--no-compiled-peer", action="store_true", help="skip transformers static cache + torch.compile")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--plot", help="PNG of tokens/s per batch size and mode, with the roofline")
+    p.add_argument("--world-size", type=int, default=1, help="ranks (torchrun); > 1 skips the transformers peers")
+    p.add_argument("--layout", choices=list(LAYOUTS), default="tp", help="with --world-size > 1 (default: tp)")
+    p.add_argument("--checkpoint", help=argparse.SUPPRESS)  # set by the launching process for its ranks
+    p.add_argument("--log-dir", help=argparse.SUPPRESS)
     p.add_argument(
         "--layers", type=int, default=0, help="override num_hidden_layers (shrink a big shape to fit memory)"
     )
@@ -231,6 +279,8 @@ def main(argv=None) -> int:
     arch = arch_from_dict(cfg, args.size)
     dtype, dtype_bytes = DTYPES[args.dtype], DTYPES[args.dtype].itemsize
     platform = detect("cpu")
+    if args.world_size > 1:
+        return bench_ranks(args, list(sys.argv[1:] if argv is None else argv), cfg, arch, platform, max_len)
     print(
         f"# decode_bench: recipe {args.model}, size {args.size} ({arch.num_layers} layers), {args.steps} steps, "
         f"batch {args.batch}, {args.dtype}, prompt {args.prompt_len} tokens, max_len {max_len}, "
@@ -244,9 +294,7 @@ def main(argv=None) -> int:
         f"{tflops:.2f} TFLOP/s",
         flush=True,
     )
-    plans = {"all": ["attention", "moe" if arch.num_experts else "mlp", "layer", "decoder"], "none": []}.get(
-        args.plans, [x for x in args.plans.split(",") if x]
-    )
+    plans = _plans(args, arch)
     summary: dict[int, tuple[list[Row], float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "ckpt"
@@ -279,6 +327,63 @@ def main(argv=None) -> int:
     if args.plot:
         plot(Path(args.plot), summary, f"{args.size}, {args.dtype}, {platform.describe()}")
         print(f"plot: {args.plot}")
+    return 0
+
+
+def _plans(args, arch) -> list[str]:
+    return {"all": ["attention", "moe" if arch.num_experts else "mlp", "layer", "decoder"], "none": []}.get(
+        args.plans, [x for x in args.plans.split(",") if x]
+    )
+
+
+def bench_ranks(args, argv: list[str], cfg: dict, arch, platform, max_len: int) -> int:
+    """--world-size N: here, write the checkpoint and start N ranks running this script; in a
+    rank, time every mode (each rank holds its share of the weights) and let rank 0 print."""
+    if not runtime.under_torchrun():
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "ckpt"
+            make_checkpoint(cfg, path, seed=0)
+            extra = ["--checkpoint", str(path), "--log-dir", tmp]
+            plan = launch.plan(args.world_size, "", platform, "benchmarks.decode_bench", [*argv, *extra])
+            return launch.launch(plan, Path(tmp))
+    console = runtime.redirect_to_rank_log(Path(args.log_dir))
+    n = args.world_size
+    parallel = [f"world_size={n}", *LAYOUTS[args.layout](n)]
+    batch = n if args.layout == "dp-ep" else 1  # one row per attention data parallel group
+    prompts = [[(7 * i + 3) % arch.vocab_size for i in range(args.prompt_len)]] * batch
+
+    def say(text: str) -> None:
+        if console is not None:
+            print(text, file=console, flush=True)
+
+    say(
+        f"# decode_bench: recipe {args.model}, size {args.size} ({arch.num_layers} layers), {args.steps} steps, "
+        f"{n} ranks ({args.layout}: {', '.join(parallel[1:])}), batch {batch}, {args.dtype}, {platform.describe()}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} thread(s) per rank"
+    )
+    rows, tokens_ref = [], None
+    modes = [("eager", None), ("ge_graph", None)] + [("ge_graph", pl) for pl in _plans(args, arch)]
+    for exe_mode, plan in modes:
+        row = our_decode(
+            args.model, Path(args.checkpoint), exe_mode, plan, prompts, args.steps, args.dtype, max_len, parallel
+        )
+        ms, compile_s, tokens, calls = row.ms, row.compile_s, row.tokens, row.calls
+        coll = collective_ms(calls)
+        name = f"ours {exe_mode}" + (f" + SK {plan}" if plan else "")
+        tokens_ref = tokens_ref or tokens
+        same = "same tokens" if tokens == tokens_ref else "TOKENS DIFFER FROM EAGER"
+        rows.append((name, ms, compile_s if exe_mode != "eager" else None, same, len(calls), coll))
+        say(f"  measured {name} ({same})")
+    graph_ms = next(row[1] for row in rows if row[0] == "ours ge_graph")
+    say("")
+    say("| mode | decode ms/step (median) | tokens/s | vs ge_graph | collectives/step | collectives alone ms/step "
+        "| share of step | compile s | check |")  # fmt: skip
+    say("|---|---|---|---|---|---|---|---|---|")
+    for name, ms, compile_s, same, count, coll in rows:
+        say(
+            f"| {name} | {ms:.3f} | {batch * 1e3 / ms:.1f} | {graph_ms / ms:.2f}x | {count} | {coll:.3f} | "
+            f"{coll / ms:.0%} | {'' if compile_s is None else f'{compile_s:.1f}'} | {same} |"
+        )
     return 0
 
 

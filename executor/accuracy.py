@@ -206,17 +206,34 @@ class Perplexity:
 
 def perplexity_decode(runner: ModelRunner, wins: list[list[int]], batch: int) -> Perplexity:
     """Teacher-forced perplexity one token at a time through the (compiled) decode step: a
-    window's first token is prefilled, each later token goes through `decode_one`."""
+    window's first token is prefilled, each later token goes through `decode_one`.
+
+    On several devices every rank calls this: each attention data parallel group runs its share
+    of each group of rows (as generate() does), and the groups' sums are added up on every rank."""
     result = Perplexity()
+    first, last = runner.parallel.local_rows(batch)  # this rank's rows of every group
+    b = last - first
     for rows, real in _groups(wins, batch):
-        ids = torch.tensor(rows, device=runner.device)  # (B, L)
-        with runner.session(batch):
-            logits = runner.prefill([r[:1] for r in rows]).logits  # predicts token 1
+        ids = torch.tensor(rows[first:last], device=runner.device)  # (b, L)
+        mine = max(0, min(real, last) - first)  # real (counted) rows among this rank's
+        with runner.session(b):
+            logits = runner.prefill([r[:1] for r in rows[first:last]]).logits  # predicts token 1
             for t in range(1, ids.shape[1]):
-                result.add(logits[:real], ids[:real, t])
+                result.add(logits[:mine], ids[:mine, t])
                 if t + 1 < ids.shape[1]:
-                    logits = runner.decode_one(ids[:, t : t + 1], torch.full((batch, 1), t, device=runner.device))
-    return result
+                    logits = runner.decode_one(ids[:, t : t + 1], torch.full((b, 1), t, device=runner.device))
+    return _sum_over_row_groups(result, runner)
+
+
+def _sum_over_row_groups(local: Perplexity, runner: ModelRunner) -> Perplexity:
+    """Add up the attention-DP groups' sums (one rank per group); one group: `local` itself."""
+    p = runner.parallel
+    if p.layout.attn_dp == 1:
+        return local
+    from executor.parallel import runtime
+
+    every = runtime.gather_objects((local.nll, local.tokens), p)
+    return Perplexity(sum(every[r][0] for r in p.dp_leaders), sum(every[r][1] for r in p.dp_leaders))
 
 
 def perplexity_prefill(runner: ModelRunner, wins: list[list[int]], batch: int) -> Perplexity:

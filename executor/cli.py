@@ -1,13 +1,17 @@
-"""Command line: `cann-recipes-infer [run|compare|search|ge-check] ...` (infer.sh calls `run`).
+"""Command line: `cann-recipes-infer [run|compare|search|ge-check|analyze] ...` (infer.sh calls `run`).
 
 Every known failure (bad config, missing checkpoint, impossible platform request: a
 executor.errors.RecipeError) prints one line `error: ...` and exits with code 2; anything else
 is a bug and keeps its traceback.
+
+`run` with parallel_config.world_size > 1 starts its ranks with torchrun (executor.parallel.launch)
+and each rank runs this same command; a failed rank ends the job with that rank's one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
 from pathlib import Path
@@ -25,13 +29,22 @@ EPILOG = (
     "examples:\n  bash infer.sh\n  bash infer.sh --set model_config.exe_mode=ge_graph "
     "--set model_config.enable_superkernel=true --set model_config.superkernel.plan=attention\n"
     "  bash infer.sh --model qwen --yaml qwen3_8b_1tp.yaml --set model_config.model_path=/data/Qwen3-8B\n"
-    "  bash infer.sh --model qwen --config my.yaml --set scheduler_config.max_new_tokens=32 --out /tmp/run"
+    "  bash infer.sh --model qwen --config my.yaml --set scheduler_config.max_new_tokens=32 --out /tmp/run\n"
+    "  bash infer.sh --model qwen --yaml qwen3_8b_2tp.yaml   # world_size 2: starts 2 ranks with torchrun\n"
+    '  bash infer.sh --yaml qwen3_8b_2tp.yaml --torchrun "--nnodes 2 --node-rank 0 --rdzv-backend c10d '
+    '--rdzv-endpoint HOST:29500"   # on each machine'
 )
 
 
 def run_parser() -> argparse.ArgumentParser:
     p = recipe_parser(USAGE, DESCRIPTION, EPILOG, config_help="a recipe YAML anywhere (instead of --yaml)")
     p.add_argument("--out", help="output directory (default: models/<model>/res/<date>/<case>/)")
+    p.add_argument(
+        "--torchrun",
+        default="",
+        metavar="OPTIONS",
+        help="torchrun options for a run over several machines (--nnodes, --node-rank, --rdzv-*), passed through",
+    )
     return p
 
 
@@ -47,14 +60,45 @@ def cmd_run(argv: list[str]) -> int:
     platform = detect(cfg.model_config.device)
     out = Path(args.out or cfg.model_config.output_path or default_out_dir(cfg, args.model))
     where = "--out" if args.out else "model_config.output_path"
+    if cfg.parallel_config.world_size > 1:
+        return _run_ranks(args, argv, cfg, platform, out.resolve(), where, runner_cls)
     with claim_output_dir(out, "metrics.json", where), (out / "infer.log").open("w") as log_file:
-        stream = _Tee(sys.stdout, log_file)
-        metrics = runner_cls(cfg, platform, out, stream).run()
-        sk = metrics["superkernel"]
-        stream.write(
-            f"[run] superkernel requested={sk['requested']} ran={sk['ran']} plan={sk['plan']}; results in {out}\n"
-        )
-        stream.flush()
+        _run_and_report(runner_cls(cfg, platform, out, _Tee(sys.stdout, log_file)), out)
+    return 0
+
+
+def _run_and_report(runner, out: Path) -> None:
+    metrics = runner.run()
+    sk = metrics["superkernel"]
+    runner.log(f"[run] superkernel requested={sk['requested']} ran={sk['ran']} plan={sk['plan']}; results in {out}")
+
+
+def _run_ranks(args, argv: list[str], cfg, platform, out: Path, where: str, runner_cls) -> int:
+    """world_size > 1. Here (not under torchrun): check what can be checked, start the ranks.
+    In a rank: agree on the output directory, let rank 0 hold it, log to this rank's file, run."""
+    from executor.parallel import launch, runtime
+
+    pc = cfg.parallel_config
+    if not runtime.under_torchrun():
+        plan = launch.plan(pc.world_size, args.torchrun, platform, "executor.cli", ["run", *argv, "--out", str(out)])
+        runner_cls.check_before_run(cfg, platform, plan.per_node)  # layout vs config.json, memory of every rank here
+        with claim_output_dir(out, "metrics.json", where):
+            pass  # refused now (another run's results, or in use) rather than by rank 0 later
+        return launch.launch(plan, out)
+    import torch.distributed as dist
+
+    runtime.init_process_group(platform)
+    try:
+        out = Path(runtime.broadcast_object(str(out)))
+        first = runtime.is_first()
+        with claim_output_dir(out, "metrics.json", where) if first else contextlib.nullcontext():
+            dist.barrier()  # rank 0 holds the directory: the others may now write their logs into it
+            console = runtime.redirect_to_rank_log(out)
+            with (out / "infer.log").open("w") if first else contextlib.nullcontext() as log_file:
+                stream = _Tee(console, log_file) if first else sys.stdout
+                _run_and_report(runner_cls(cfg, platform, out, stream), out)
+    finally:
+        dist.destroy_process_group()
     return 0
 
 
@@ -77,6 +121,7 @@ COMMANDS = {
     "search": ("tools.scope_search", "find the fastest accurate SuperKernel plan"),
     "ge-check": ("tools.ge_check", "convert the decode graph to GE on CPU (torchair), list GE ops per scope"),
     "accuracy": ("tools.accuracy", "the configured run against the eager float32 reference (cosine, PPL, audit)"),
+    "analyze": ("tools.op_analysis", "where decode time goes, Ascend op mapping, ranked opportunities"),
 }
 
 

@@ -7,7 +7,9 @@
 | npugraph_ex | error: needs an Ascend NPU         | npugraph_ex backend; SK post-capture  |
 
 Every backend implements executor.backends.base.Backend. Nothing is downgraded silently: an
-impossible request raises UnsupportedError (exit code 2).
+impossible request raises UnsupportedError (exit code 2). A backend's op table is its own with the
+config's custom ops layered on top (executor.custom_ops.layer; the NPU adapter installs their
+NPU kernels, the others build their CPU kernels).
 
 `resolve_dtype()` is the one place `model_config.dtype: auto` becomes a dtype, and where a dtype
 the platform's op table cannot run is refused, before anything is built or loaded.
@@ -15,6 +17,7 @@ the platform's op table cannot run is refused, before anything is built or loade
 
 from __future__ import annotations
 
+from executor import custom_ops
 from executor.backends.base import Backend, DecodeSpec, EagerBackend, UnsupportedError
 from executor.platform import Platform
 
@@ -44,7 +47,7 @@ def select_backend(spec: DecodeSpec, platform: Platform) -> Backend:
 
         return npu.select_backend(spec)
     if mc.exe_mode == "eager":
-        return EagerBackend()
+        return EagerBackend(custom_ops.layer("reference", mc.custom_ops, custom_ops.installer(platform.kind)))
     if mc.exe_mode == "npugraph_ex":
         raise UnsupportedError(
             f"exe_mode npugraph_ex needs an Ascend NPU with torch_npu; this machine is "

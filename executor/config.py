@@ -32,6 +32,7 @@ from typing import Any
 
 import yaml
 
+from executor import custom_ops
 from executor.errors import RecipeError
 from executor.scope import REGION_KINDS, parse_options
 
@@ -97,6 +98,7 @@ class ModelConfig:
     cache_dir: str = ""  # "" = ~/.cache/cann-recipes-infer/compile
     enable_static_kernel: bool = False  # npugraph_ex's static_kernel_compile option (independent of SK)
     enable_profiler: bool = False
+    custom_ops: tuple[str, ...] = ()  # executor/custom_ops/ ops layered on the op table, e.g. [decode_attention]
     output_path: str = ""  # results directory; "" = models/<recipe>/res/<date>/<case>/ (--out wins)
     seed: int = 0
     superkernel: SuperKernelConfig = SuperKernelConfig()
@@ -134,9 +136,15 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    world_size: int = 1
+    """Upstream's multi-device layout (executor.parallel builds the process groups from it).
+
+    Ranks are numbered 0..world_size-1; every `*_tp_size` groups consecutive ranks."""
+
+    world_size: int = 1  # ranks (one device each), started by torchrun
     attn_tp_size: int = 1  # attention data parallel size = world_size // attn_tp_size
-    dense_tp_size: int = 1
+    # dense MLP layers; None = attn_tp_size, which is what upstream's qwen recipe does (its MLP
+    # uses the attention TP group, so its YAMLs leave this key out)
+    dense_tp_size: int | None = None
     moe_tp_size: int = 1  # expert parallel size = world_size // moe_tp_size
     embed_tp_size: int = 1
     lmhead_tp_size: int = 1
@@ -410,28 +418,53 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"{name}: must be >= 1, got {value}")
     if (limit := cfg.scheduler_config.max_prefill_tokens) < 0:
         raise ConfigError(f"scheduler_config.max_prefill_tokens: must be >= 0 (0 = off), got {limit}")
-    _validate_parallel(cfg.parallel_config)
+    _validate_parallel(cfg)
     dc = cfg.data_config
     if dc.dataset == "default" and not dc.prompts:
         raise ConfigError("data_config.prompts: dataset 'default' needs at least one prompt")
     parse_options(sk.options, key="model_config.superkernel.options")
+    custom_ops.check(mc.custom_ops)
     for i, scope in enumerate(sk.custom):
         parse_options(scope.options, key=f"model_config.superkernel.custom[{i}].options")
 
 
-def _validate_parallel(pc: ParallelConfig) -> None:
-    sizes = {f.name: getattr(pc, f.name) for f in dataclasses.fields(pc)}
+def _validate_parallel(cfg: RunConfig) -> None:
+    """The layout rules that need no checkpoint; executor.parallel.layout checks heads, experts
+    and vocabulary against config.json, and the device count against the machine."""
+    pc, sc = cfg.parallel_config, cfg.scheduler_config
+    sizes = {f.name: getattr(pc, f.name) for f in dataclasses.fields(pc) if getattr(pc, f.name) is not None}
     for name, value in sizes.items():
         if value < 1:
             raise ConfigError(f"parallel_config.{name}: must be >= 1, got {value}")
-    if pc.world_size != 1:
+    world = pc.world_size
+    divisors = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
+    for name in ("attn_tp_size", "dense_tp_size", "moe_tp_size", "embed_tp_size", "lmhead_tp_size"):
+        value = sizes.get(name)
+        if value is not None and world % value:
+            raise ConfigError(
+                f"parallel_config.{name}: {value} does not divide parallel_config.world_size {world}; "
+                f"allowed values: {divisors}"
+            )
+    attn_tp = pc.attn_tp_size
+    for name in ("dense_tp_size", "embed_tp_size", "lmhead_tp_size"):
+        value = sizes.get(name)
+        if value is not None and attn_tp % value and value % attn_tp:
+            raise ConfigError(
+                f"parallel_config.{name}: {value} must divide parallel_config.attn_tp_size {attn_tp} or be a "
+                "multiple of it (a group either lies inside one attention TP group or spans whole ones)"
+            )
+    attn_dp = world // attn_tp
+    if sc.batch_size % attn_dp:
         raise ConfigError(
-            f"parallel_config.world_size: {pc.world_size} is not supported yet (multi-device runs are not "
-            "implemented); allowed values: 1"
+            f"scheduler_config.batch_size: {sc.batch_size} is not divisible by the attention data parallel size "
+            f"{attn_dp} (parallel_config.world_size {world} / parallel_config.attn_tp_size {attn_tp}); each "
+            "attention data parallel group runs an equal share of the batch"
         )
-    for name, value in sizes.items():
-        if value != 1:
-            raise ConfigError(f"parallel_config.{name}: {value} does not fit world_size 1; allowed values: 1")
+    if attn_dp > 1 and sc.max_prefill_tokens > 0:
+        raise ConfigError(
+            f"scheduler_config.max_prefill_tokens: grouped prefill is not supported with attention data parallel "
+            f"size {attn_dp} (parallel_config.world_size / parallel_config.attn_tp_size); set it to 0"
+        )
 
 
 def to_dict(cfg: Any) -> Any:

@@ -18,6 +18,12 @@ What is counted, in bytes (an estimate meant to be within a small factor, not ex
   batch): fp32 attention scores over the whole static cache, the k/v broadcast to every query
   head, the FFN's intermediate, hidden-size buffers and the fp32 logits;
 - compile: graph modes trace and compile the decode step inside this process.
+Several devices (parallel_config): the estimate is per rank, from the rank's part of the model
+(parameters counted on its meta model), its attention-DP share of the batch rows, its KV heads
+and query heads, its experts and intermediate slices (tokens gathered from every attention-DP
+group), and the full-vocabulary logits every rank holds after the lm_head's all-gather. On CPU
+the ranks of one machine share its RAM: the check compares ranks-on-this-machine x the per-rank
+need with what is free; on CUDA/NPU each rank has its own device.
 On CPU the process's own resident memory when the estimate is made is added to give the
 expected peak (what ru_maxrss measures); the check compares only the new need with what is
 free: host RAM (MemAvailable, or the cgroup's limit if lower) on CPU, free device memory on
@@ -36,6 +42,7 @@ import torch
 from executor.arch import ModelArch
 from executor.config import RunConfig
 from executor.errors import RecipeError
+from executor.parallel.layout import ONE_DEVICE, Layout
 
 MB = 2**20
 # In-process compile of the decode step (dynamo + Inductor lowering; the C++ compiler runs in
@@ -68,6 +75,7 @@ class MemoryEstimate:
     available: int | None  # free where the run allocates; None = not known
     source: str  # where `available` comes from, or why it is not known
     kv_detail: str = ""  # the KV cache product in words, for the error message
+    ranks_sharing: int = 1  # ranks of this machine that share `where` (host RAM on CPU), each needing `needed`
 
     @property
     def needed(self) -> int:
@@ -78,6 +86,11 @@ class MemoryEstimate:
     def peak(self) -> int:
         """Expected peak of the process: what it held already plus what the run adds."""
         return self.process + self.needed
+
+    @property
+    def needed_here(self) -> int:
+        """What is checked against `available`: every rank sharing that memory needs `needed`."""
+        return self.needed * self.ranks_sharing
 
     @property
     def checked(self) -> bool:
@@ -92,7 +105,8 @@ class MemoryEstimate:
         against = (
             f"{fmt_bytes(self.available)} available ({self.source})" if self.checked else f"not checked: {self.source}"
         )
-        return f"[run] memory: the run needs about {fmt_bytes(self.needed)} of {self.where} ({parts}); {against}"
+        who = "the run needs" if self.ranks_sharing == 1 else f"{self.ranks_sharing} ranks need {self.ranks_sharing} x"
+        return f"[run] memory: {who} about {fmt_bytes(self.needed)} of {self.where} ({parts}); {against}"
 
     def to_metrics(self, measured_peak: float | None, measured_source: str) -> dict:
         """metrics.json `memory`: the estimate next to the measured peak (both in MB)."""
@@ -115,6 +129,8 @@ class MemoryEstimate:
             "measured_peak_mb": None if measured_peak is None else round(measured_peak / MB, 1),
             "measured_peak_source": measured_source,
             "estimate_over_measured": round(self.peak / measured_peak, 3) if measured_peak else None,
+            "per_rank": True,  # at world_size 1 the one rank is the run
+            "ranks_sharing": self.ranks_sharing,
         }
 
 
@@ -184,8 +200,8 @@ def measured_peak(kind: str) -> tuple[float | None, str]:
 # ----------------------------------------------------------------------------- the estimate
 @dataclass(frozen=True)
 class ParamCount:
-    total: int  # elements, tied parameters once
-    largest: int  # elements of the largest single parameter (random init makes temporaries of it)
+    total: int  # elements, tied parameters once (this rank's part on several devices)
+    largest: int  # elements of the largest single parameter at full size (random init draws it whole)
 
 
 def count_parameters(model: torch.nn.Module) -> ParamCount:
@@ -194,19 +210,30 @@ def count_parameters(model: torch.nn.Module) -> ParamCount:
     return ParamCount(sum(sizes), max(sizes, default=0))
 
 
-def estimate(arch: ModelArch, cfg: RunConfig, kind: str, params: ParamCount, dtype: torch.dtype) -> MemoryEstimate:
+def estimate(
+    arch: ModelArch,
+    cfg: RunConfig,
+    kind: str,
+    params: ParamCount,
+    dtype: torch.dtype,
+    layout: Layout = ONE_DEVICE,
+    ranks_here: int = 1,
+) -> MemoryEstimate:
     """What `cfg` on `arch` will allocate on `kind` (cpu, cuda, npu) with weights and cache in
-    `dtype`, before anything is allocated."""
+    `dtype`, before anything is allocated: per rank of `layout`, `ranks_here` of them on this machine."""
     mc, sc = cfg.model_config, cfg.scheduler_config
     eb = dtype.itemsize
-    b, s = sc.batch_size, cfg.data_config.input_truncated_len
+    b, s = sc.batch_size // layout.attn_dp, cfg.data_config.input_truncated_len  # this rank's rows
     t = s + sc.max_new_tokens  # static cache length
-    hq, hkv, d, h = arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.hidden_size
+    hq, d, h = arch.num_heads // layout.attn_tp, arch.head_dim, arch.hidden_size
+    hkv = layout.kv_heads_per_rank(arch.num_kv_heads)
     kv = 2 * arch.num_layers * b * hkv * t * d * eb
+    said = "scheduler_config.batch_size" if layout.attn_dp == 1 else "rows per attention-DP group (batch_size / DP)"
     kv_detail = (
-        f"KV cache {fmt_bytes(kv)} = 2 (k, v) x {arch.num_layers} layers x scheduler_config.batch_size {b} "
+        f"KV cache {fmt_bytes(kv)} = 2 (k, v) x {arch.num_layers} layers x {said} {b} "
         f"x {hkv} kv heads x (data_config.input_truncated_len {s} + scheduler_config.max_new_tokens "
         f"{sc.max_new_tokens}) tokens x head_dim {d} x {eb} bytes ({str(dtype).removeprefix('torch.')})"
+        + (" per rank" if layout.world > 1 else "")
     )
     limit = sc.max_prefill_tokens
     rows = b if limit <= 0 else min(b, max(1, limit // s))  # rows prefilled together
@@ -216,19 +243,27 @@ def estimate(arch: ModelArch, cfg: RunConfig, kind: str, params: ParamCount, dty
         tokens = rows * q_len
         scores = 3 * rows * hq * q_len * t * 4  # fp32 scores, masked copy, softmax
         broadcast_kv = rows * hq * t * d * eb  # k (then v) expanded to every query head by the matmul
-        e, k, i = arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size
-        if tokens * k <= e:  # gathered: the k chosen experts' weights are copied per token
-            moe = tokens * k * 3 * i * h * eb
+        # MoE: the rank's experts and slices, on the tokens of every attention-DP group
+        e, k, i = (
+            arch.num_experts // layout.moe_ep,
+            arch.num_experts_per_tok,
+            arch.moe_intermediate_size // layout.moe_tp,
+        )
+        tokens_moe = tokens * layout.attn_dp
+        if tokens_moe * k <= e:  # gathered: the k chosen experts' weights are copied per token
+            moe = tokens_moe * k * 3 * i * h * eb
         elif q_len == 1:  # dense decode: every expert on every token
-            moe = tokens * e * (3 * i + h) * eb
+            moe = tokens_moe * e * (3 * i + h) * eb
         else:  # grouped prefill: token copies per chosen expert
-            moe = tokens * k * (3 * h + 3 * i) * eb
+            moe = tokens_moe * k * (3 * h + 3 * i) * eb
+        dense_tokens = tokens * max(1, layout.dense_tp // layout.attn_tp)  # gathered when dense TP spans DP groups
+        dense = dense_tokens * 3 * (arch.intermediate_size // layout.dense_tp) * eb
         layers = [arch.is_moe_layer(n) for n in range(arch.num_layers)]
-        ffn = max(moe if any(layers) else 0, tokens * 3 * arch.intermediate_size * eb if not all(layers) else 0)
+        ffn = max(moe if any(layers) else 0, dense if not all(layers) else 0)
         hidden = tokens * (6 * h + 3 * (hq + 2 * hkv) * d) * eb + 2 * tokens * d * 4 + rows * q_len * t
         return scores + broadcast_kv + ffn + hidden
 
-    logits = 2 * b * arch.vocab_size * 4  # fp32 logits of the prefill and of the current step
+    logits = 2 * b * arch.vocab_size * 4  # fp32 logits of the prefill and of the current step (all-gathered)
     activations = max(step(rows, s), step(b, 1)) + logits
     graph = mc.exe_mode != "eager"
     n = params.total
@@ -255,23 +290,33 @@ def estimate(arch: ModelArch, cfg: RunConfig, kind: str, params: ParamCount, dty
         available=free,
         source=source,
         kv_detail=kv_detail,
+        ranks_sharing=ranks_here if kind == "cpu" else 1,  # CUDA/NPU: one device per rank
     )
 
 
 def check(est: MemoryEstimate) -> None:
     """Raise MemoryBudgetError when the run cannot fit in what is available."""
-    if est.available is None or est.needed <= est.available:
+    if est.available is None or est.needed_here <= est.available:
         return
+    who = "this run needs" if est.ranks_sharing == 1 else f"{est.ranks_sharing} ranks on this machine need"
     raise MemoryBudgetError(
-        f"memory: this run needs about {fmt_bytes(est.needed)} of {est.where} but {fmt_bytes(est.available)} is "
+        f"memory: {who} about {fmt_bytes(est.needed_here)} of {est.where} but {fmt_bytes(est.available)} is "
         f"available ({est.source}): {est.kv_detail}; weights {fmt_bytes(est.weights)}, activations "
         f"{fmt_bytes(est.activations)}, compile {fmt_bytes(est.compile)}; lower {', '.join(KEYS[:2])} or {KEYS[2]}"
     )
 
 
-def check_run(arch: ModelArch, cfg: RunConfig, kind: str, params: ParamCount, dtype: torch.dtype) -> MemoryEstimate:
+def check_run(
+    arch: ModelArch,
+    cfg: RunConfig,
+    kind: str,
+    params: ParamCount,
+    dtype: torch.dtype,
+    layout: Layout = ONE_DEVICE,
+    ranks_here: int = 1,
+) -> MemoryEstimate:
     """Estimate and check in one call (the runner and the tools' pre-flight use this)."""
-    est = estimate(arch, cfg, kind, params, dtype)
+    est = estimate(arch, cfg, kind, params, dtype, layout, ranks_here)
     check(est)
     return est
 

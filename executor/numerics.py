@@ -21,6 +21,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from executor.errors import RecipeError
+from executor.scope import ScopeStandIn
 
 
 class NonFiniteError(RecipeError):
@@ -57,7 +58,7 @@ class _Finding:
 
 
 @dataclass
-class RegionTracker:
+class RegionTracker(ScopeStandIn):
     """Stands in for the ScopeRunner during a locating re-run: opens no scope, only records which
     regions the model is inside."""
 
@@ -70,6 +71,10 @@ class RegionTracker:
             yield
         finally:
             self.stack.pop()
+
+    def tap(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """Identity, as ScopeRunner.tap without an observer (the models tap their layer outputs)."""
+        return value
 
 
 def _nonfinite_scalar(args: Any) -> bool:

@@ -6,6 +6,11 @@ side before they start the first (a dense model given `--plan moe` used to run t
 baseline first). Everything here needs only config.json and the config: the model is built on
 PyTorch's meta device, which gives its regions (for the scope plan) and its exact parameter
 count (for the memory estimate) without allocating a byte of weights.
+
+Several devices: the layout is checked against config.json here too (heads, experts, vocabulary
+must split), and the meta model is built as rank 0's part (every rank's part has the same size,
+as the sizes split evenly), so the memory estimate is per rank; on CPU the ranks of one machine
+share its RAM and are checked together.
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ from typing import Protocol
 
 import torch
 
-from executor import memory
+from executor import custom_ops, memory
 from executor.arch import ArchError, ModelArch, load_arch
 from executor.backends.base import cache_root
 from executor.config import ConfigError, ModelConfig, RunConfig
+from executor.parallel.groups import Parallel, view
+from executor.parallel.layout import ONE_DEVICE, Layout, check_arch
 from executor.platform import Platform
 from executor.registry import resolve_model_path
 from executor.scope import NO_PLAN, Region, ScopePlan, build_plan
@@ -31,7 +38,7 @@ class RunnerLike(Protocol):
 
     recipe: str
     model_types: tuple[str, ...]
-    build_model: Callable[[ModelArch], torch.nn.Module]
+    build_model: Callable[[ModelArch, Parallel], torch.nn.Module]
 
 
 @dataclass(frozen=True)
@@ -42,10 +49,19 @@ class Preflight:
     memory: memory.MemoryEstimate
 
 
-def meta_model(runner: RunnerLike, arch: ModelArch) -> torch.nn.Module:
-    """The recipe's model on the meta device: shapes and regions, no storage."""
+def meta_model(runner: RunnerLike, arch: ModelArch, layout: Layout) -> torch.nn.Module:
+    """Rank 0's part of the recipe's model on the meta device: shapes and regions, no storage
+    (and no process groups: nothing runs)."""
     with torch.device("meta"):
-        return runner.build_model(arch)
+        return runner.build_model(arch, view(layout, 0))
+
+
+def ranks_on_this_machine(layout: Layout) -> int:
+    """Ranks sharing this machine: torchrun's LOCAL_WORLD_SIZE in a rank, else all of them (the
+    launcher passes its own count for a run over several machines)."""
+    if layout.world == 1:
+        return 1
+    return int(os.environ.get("LOCAL_WORLD_SIZE", layout.world))
 
 
 def scope_plan(regions: list[Region], mc: ModelConfig) -> ScopePlan:
@@ -83,8 +99,11 @@ def check_vocab(arch: ModelArch, tokenizer_vocab: int, tokenizer_path: str) -> N
         )
 
 
-def check(runner: RunnerLike, cfg: RunConfig, platform: Platform, dtype: torch.dtype) -> Preflight:
-    """Architecture, recipe match, scope plan, memory and compile cache; nothing is allocated."""
+def check(
+    runner: RunnerLike, cfg: RunConfig, platform: Platform, dtype: torch.dtype, ranks_here: int | None = None
+) -> Preflight:
+    """Architecture, recipe match, parallel layout, scope plan, custom ops, memory and compile
+    cache; nothing is allocated. `ranks_here`: ranks on this machine (default: ranks_on_this_machine)."""
     mc = cfg.model_config
     model_path = resolve_model_path(runner.recipe, mc.model_path)
     arch = load_arch(model_path, mc.debug_size)
@@ -93,8 +112,15 @@ def check(runner: RunnerLike, cfg: RunConfig, platform: Platform, dtype: torch.d
             f"{arch.source}: model_type {arch.model_type!r} does not belong to the "
             f"{runner.recipe} recipe (it runs {', '.join(runner.model_types)})"
         )
-    meta = meta_model(runner, arch)
+    layout = Layout.from_config(cfg.parallel_config)
+    check_arch(layout, arch)
+    meta = meta_model(runner, arch, layout)
     plan = scope_plan(meta.regions(), mc)
-    estimate = memory.check_run(arch, cfg, platform.kind, memory.count_parameters(meta), dtype)
+    custom_ops.check_runnable(mc.custom_ops, platform.kind, mc.exe_mode)  # no kernel here, no compiler
+    params = memory.count_parameters(meta)
+    if layout.world > 1:  # random weights are drawn at full size, then cut: the largest is the whole model's
+        params = memory.ParamCount(params.total, memory.count_parameters(meta_model(runner, arch, ONE_DEVICE)).largest)
+    here = ranks_here if ranks_here is not None else ranks_on_this_machine(layout)
+    estimate = memory.check_run(arch, cfg, platform.kind, params, dtype, layout, here)
     check_cache_dir(mc)
     return Preflight(model_path, arch, plan, estimate)

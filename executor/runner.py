@@ -13,6 +13,12 @@ prefill, a multi-rank step) without touching the others:
 
 Everything that traces or runs the model happens inside the run's ExecutionContext (op table,
 scope implementation, compile cache), entered here and restored afterwards.
+
+Several devices (parallel_config.world_size > 1): every rank runs this same code under
+torchrun. The model is built with the run's process groups (executor.parallel) and holds this
+rank's part of the weights; each attention data parallel group prefills and decodes its share
+of the batch rows, and generate() returns the whole batch on every rank. Rank 0 prints to the
+console and writes metrics.json; the other ranks log to their own files.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ from executor.context import ExecutionContext
 from executor.datasets import load_prompts
 from executor.kv_cache import KVCache
 from executor.loader import init_random, load_weights
+from executor.parallel import runtime
+from executor.parallel.groups import Parallel
 from executor.paths import results_dir
 from executor.platform import Platform, software_versions, timer
 from executor.scope import NO_PLAN, ScopeRunner
@@ -69,9 +77,11 @@ class ModelRunner:
     recipe = "base"
     model_types: tuple[str, ...] = ()
 
-    def build_model(self, arch: ModelArch) -> torch.nn.Module:
-        """Overridden by each recipe. Must depend on `arch` only: the pre-flight also calls it on
-        an uninitialised runner, under the meta device, for the regions and parameter count."""
+    def build_model(self, arch: ModelArch, parallel: Parallel) -> torch.nn.Module:
+        """Overridden by each recipe: this rank's part of the model. Must depend on its arguments
+        only: the pre-flight also calls it on an uninitialised runner, under the meta device and
+        with a `Parallel` that has no process groups, for the regions and this rank's parameter
+        count."""
         raise NotImplementedError
 
     def remap_weights(self, state: dict) -> dict:
@@ -88,8 +98,9 @@ class ModelRunner:
         # config.json, recipe match, scope plan, memory estimate, compile cache: before anything is allocated
         pre = preflight.check(self, cfg, platform, self.dtype)
         self.model_path, self.arch, self.plan, self.memory = pre.model_path, pre.arch, pre.plan, pre.memory
+        self.parallel = runtime.parallel_for(cfg.parallel_config, platform)  # process groups (world size 1: none)
         torch.manual_seed(mc.seed)
-        self.model = self.build_model(self.arch).to(self.dtype)
+        self.model = self.build_model(self.arch, self.parallel).to(self.dtype)
         # The backend is chosen once the plan is known (the compile cache is keyed on it) and
         # before any weight is read, so an impossible request costs no loading time.
         self.use_backend(select_backend(self.decode_spec(), platform))
@@ -115,24 +126,35 @@ class ModelRunner:
 
     def decode_spec(self) -> DecodeSpec:
         """What the decode step is compiled for: this run's static shapes, dtype, plan and device."""
-        cfg = self.cfg
-        batch = cfg.scheduler_config.batch_size
+        cfg, p = self.cfg, self.parallel
+        batch = cfg.scheduler_config.batch_size // p.layout.attn_dp  # this rank's attention-DP share of the rows
         return DecodeSpec(
-            cfg.model_config, self.arch, self.dtype_name, batch, self.max_len, self.plan, self.platform.device_name
+            cfg.model_config,
+            self.arch,
+            self.dtype_name,
+            batch,
+            self.max_len,
+            self.plan,
+            self.platform.device_name,
+            p.layout,
+            p.rank,
         )
 
     @classmethod
-    def check_before_run(cls, cfg: RunConfig, platform: Platform) -> preflight.Preflight:
+    def check_before_run(cls, cfg: RunConfig, platform: Platform, ranks_here: int | None = None) -> preflight.Preflight:
         """What __init__ checks before allocating, without building anything: the tools ask this
-        for every side before the first run."""
+        for every side before the first run, the launcher before it starts the ranks
+        (`ranks_here`: how many it starts on this machine)."""
         runner = cls.__new__(cls)  # build_model uses no state: only a meta-device model is built
-        return preflight.check(runner, cfg, platform, DTYPES[resolve_dtype(cfg.model_config.dtype, platform)])
+        dtype = DTYPES[resolve_dtype(cfg.model_config.dtype, platform)]
+        return preflight.check(runner, cfg, platform, dtype, ranks_here)
 
     def use_backend(self, backend: Backend) -> None:
         """Run the decode step with `backend` from now on (compiled on next use): the same model
         and weights under another exe_mode, e.g. for an eager reference in the same process."""
-        self.backend, self.context = backend, ExecutionContext.for_backend(backend)
+        self.backend, self.context = backend, ExecutionContext.for_backend(backend, self.parallel)
         self.step: CompiledStep | None = None  # the compiled decode step, built on first use
+        self.collectives: dict | None = None  # collectives of one decode step, noted on its first call
 
     def _tokenizer_path(self) -> Path:
         mc = self.cfg.model_config
@@ -165,7 +187,7 @@ class ModelRunner:
             self.cache = KVCache(
                 len(self.model.layers),
                 batch,
-                self.arch.num_kv_heads,
+                self.parallel.layout.kv_heads_per_rank(self.arch.num_kv_heads),
                 self.max_len,
                 self.arch.head_dim,
                 self.dtype,
@@ -174,12 +196,14 @@ class ModelRunner:
         if self.step is None:
             self.step = self.backend.compile(self._decode_step)
 
-    def prefill(self, prompt_ids: list[list[int]]) -> Prefill:
+    def prefill(self, prompt_ids: list[list[int]], width: int = 0) -> Prefill:
         """Run the right-padded prompts through the model eagerly, outside any scope; with
-        `max_prefill_tokens`, in consecutive groups of rows of at most that many prompt tokens."""
+        `max_prefill_tokens`, in consecutive groups of rows of at most that many prompt tokens.
+        `width` pads to at least that many tokens (attention-DP groups pad to the same length,
+        so the collectives of their prefills have the same shapes)."""
         lengths = torch.tensor([len(p) for p in prompt_ids], device=self.device)
         t0 = self.now()
-        logits = [self._prefill_rows(prompt_ids, a, b) for a, b in self._prefill_groups(prompt_ids)]
+        logits = [self._prefill_rows(prompt_ids, a, b, width) for a, b in self._prefill_groups(prompt_ids)]
         return Prefill(torch.cat(logits), lengths, (self.now() - t0) * 1e3)
 
     def _prefill_groups(self, prompt_ids: list[list[int]]) -> list[tuple[int, int]]:
@@ -201,12 +225,19 @@ class ModelRunner:
         return [*groups, (start, len(prompt_ids))]
 
     def _prefill_rows(
-        self, prompt_ids: list[list[int]], start: int, stop: int, scopes: ScopeRunner | None = None
+        self,
+        prompt_ids: list[list[int]],
+        start: int,
+        stop: int,
+        width: int = 0,
+        scopes: ScopeRunner | None = None,
     ) -> torch.Tensor:
-        """Prefill rows [start, stop); `scopes` is replaced only by the NaN locator's region tracker."""
+        """Prefill rows [start, stop), right-padded to at least `width` tokens; `scopes` is
+        replaced only by the NaN locator's region tracker."""
         rows = prompt_ids[start:stop]
         lengths = torch.tensor([len(p) for p in rows], device=self.device)
-        ids = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long, device=self.device)  # (b, S) right-padded
+        width = max(width, int(lengths.max()))
+        ids = torch.zeros(len(rows), width, dtype=torch.long, device=self.device)  # (b, S) right-padded
         for i, p in enumerate(rows):
             ids[i, : len(p)] = torch.tensor(p)
         positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
@@ -216,7 +247,16 @@ class ModelRunner:
 
     def decode_one(self, token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One compiled decode step: (B, 1) tokens at (B, 1) positions -> (B, V) logits."""
-        return self.step(token, positions)
+        if self.collectives is not None:
+            return self.step(token, positions)
+        log = self.parallel.log  # the first call runs (or traces) every collective of a step once
+        log.calls.clear()
+        log.recording = True
+        try:
+            return self.step(token, positions)
+        finally:
+            log.recording = False
+            self.collectives = log.summary()
 
     @contextlib.contextmanager
     def session(self, batch: int) -> Iterator[None]:
@@ -233,17 +273,21 @@ class ModelRunner:
         on_step: Callable[[int, float], None] | None = None,
         on_prefill: Callable[[float], None] | None = None,
     ) -> Generation:
-        """Greedy decoding: prefill, then `max_new_tokens - 1` timed decode steps."""
+        """Greedy decoding: prefill, then `max_new_tokens - 1` timed decode steps. On several
+        devices this rank runs its attention-DP group's rows; the result holds every row."""
         if max_new_tokens > self.cfg.scheduler_config.max_new_tokens:
             raise ValueError(f"max_new_tokens {max_new_tokens} exceeds scheduler_config.max_new_tokens")
+        all_rows, (first, last) = prompt_ids, self.parallel.local_rows(len(prompt_ids))
+        prompt_ids = all_rows[first:last]
         b = len(prompt_ids)
         with self.session(b):
-            pre = self.prefill(prompt_ids)
+            width = max(len(p) for p in all_rows)
+            pre = self.prefill(prompt_ids, width=width)
             self.check_finite(
                 pre.logits,
                 "prefill",
                 lambda scopes: [
-                    self._prefill_rows(prompt_ids, *rows, scopes) for rows in self._prefill_groups(prompt_ids)
+                    self._prefill_rows(prompt_ids, *rows, width, scopes) for rows in self._prefill_groups(prompt_ids)
                 ],
             )
             if on_prefill:
@@ -265,8 +309,9 @@ class ModelRunner:
                 pos += 1
                 if on_step:
                     on_step(i, step_ms[-1])
-        tokens = torch.cat(out, dim=1).tolist()
-        return Generation(prompt_ids, tokens, pre.ms, step_ms, pre.logits, logits)
+        tokens = runtime.gather_rows(torch.cat(out, dim=1).tolist(), self.parallel)
+        first, last = (runtime.gather_row_tensor(t, self.parallel) for t in (pre.logits, logits))
+        return Generation(all_rows, tokens, pre.ms, step_ms, first, last)
 
     def check_finite(self, logits: torch.Tensor, step: str, rerun: Callable[[numerics.RegionTracker], object]) -> None:
         """Stop at the first step whose (B, V) logits hold NaN or inf, naming the step and the
@@ -275,10 +320,16 @@ class ModelRunner:
         if row is None:
             return
         mc = self.cfg.model_config
-        where = numerics.locate(rerun)
+        if self.parallel.layout.attn_dp > 1:
+            # Only this attention-DP group's rows are bad: re-running the step here alone would
+            # issue collectives the other ranks never match.
+            where = "not located (attention data parallel: the other ranks do not re-run the step)"
+        else:  # every rank holds the same logits, so every rank re-runs the step and its collectives
+            where = numerics.locate(rerun)
+        first = self.parallel.local_rows(self.cfg.scheduler_config.batch_size)[0]  # this rank's rows in the batch
         weights = f"checkpoint {self.model_path}" if mc.with_ckpt else f"random weights (seed {mc.seed})"
         raise numerics.NonFiniteError(
-            f"{numerics.kind_of(logits[row])} in the logits at {step}, row {row}: {where}; "
+            f"{numerics.kind_of(logits[row])} in the logits at {step}, row {first + row}: {where}; "
             f"weights: {weights}, dtype {mc.dtype}"
         )
 
@@ -314,6 +365,8 @@ class ModelRunner:
         self.generate(prompt_ids, min(2, sc.max_new_tokens))
         warmup_s = self.now() - t0
         self.log(f"[run] warm-up (compile) took {warmup_s:.2f} s")
+        if self.parallel.world > 1:
+            runtime.steady_state()
         profiler = self._profiler()
         with profiler:
             gen = self.generate(
@@ -332,7 +385,7 @@ class ModelRunner:
         for prompt, text in zip(self.prompts(), texts):
             self.log(f"[prompt] {prompt!r}\n[output] {text!r}")
         metrics = self._metrics(gen, texts, tps, warmup_s)
-        if self.out_dir is not None:
+        if self.out_dir is not None and self.parallel.rank == 0:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
             if mc.enable_profiler:
@@ -396,11 +449,25 @@ class ModelRunner:
             "tokens_per_s": tps,
             "peak_memory_mb": round(peak, 1),
             "memory": self.memory.to_metrics(measured, measured_by),  # estimate (checked before allocating) vs peak
+            **self._parallel_metrics(peak),
             "prompt_token_ids": gen.prompt_ids,
             "prompt_truncation": self.truncation,  # tokens given / kept per row (data_config.input_truncated_len)
             "generated_token_ids": gen.token_ids,
             "text": texts,
             "config": to_dict(self.cfg),
+        }
+
+    def _parallel_metrics(self, peak_mb: float) -> dict:
+        """world_size, the layout, the collectives of one decode step, every rank's peak memory and
+        intra-op threads (on CPU the launcher gives each rank its share of the cores)."""
+        p = self.parallel
+        every = runtime.gather_objects((round(peak_mb, 1), torch.get_num_threads()), p)
+        return {
+            "world_size": p.world,
+            "parallel": p.layout.describe() | {"backend": p.backend or None},
+            "collectives_per_step": self.collectives,
+            "peak_memory_mb_per_rank": [peak for peak, _ in every],
+            "threads_per_rank": [threads for _, threads in every],
         }
 
 
@@ -409,13 +476,14 @@ def write_scope_report(out_dir: Path, sk: dict) -> None:
     lines = [
         f"# SuperKernel scopes: plan {sk['plan']}, requested {sk['requested']}, ran {sk['ran']}",
         "",
-        "| label | options | ops | segments | launches | unfused | cut reasons |",
-        "|---|---|---|---|---|---|---|",
+        "| label | options | ops | segments | launches | unfused | collectives | cut reasons |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for s in sk["scopes"]:
         lines.append(
             f"| {s['label']} | {s.get('options') or '-'} | {s.get('ops', '-')} | {s.get('segments', '-')} | "
-            f"{s.get('launches', '-')} | {s.get('unfused', '-')} | {'; '.join(s.get('cut_reasons', [])) or '-'} |"
+            f"{s.get('launches', '-')} | {s.get('unfused', '-')} | {s.get('collectives', '-')} | "
+            f"{'; '.join(s.get('cut_reasons', [])) or '-'} |"
         )
     (out_dir / "superkernel_scopes.md").write_text("\n".join(lines) + "\n")
 

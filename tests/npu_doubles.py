@@ -172,6 +172,7 @@ def npu_fused_infer_attention_score(
     key,
     value,
     atten_mask,
+    actual_seq_lengths_kv,
     num_heads,
     scale,
     pre_tokens,
@@ -181,7 +182,8 @@ def npu_fused_infer_attention_score(
     sparse_mode,
     softmax_lse_flag,
 ):
-    """BNSD/BSND only; atten_mask bool, True = masked out; num_key_value_heads 0 means num_heads."""
+    """BNSD/BSND only; atten_mask bool, True = masked out; num_key_value_heads 0 means num_heads;
+    actual_seq_lengths_kv: row b reads key/value slots [0, L_b) only (fused_ops.yaml)."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dtype not in FIA_DTYPES:
             raise TypeError(
@@ -203,13 +205,23 @@ def npu_fused_infer_attention_score(
         raise NotImplementedError("double implements sparse_mode=0 without band limits")
     if atten_mask is not None and atten_mask.dtype not in (torch.bool, torch.int8, torch.uint8):
         raise TypeError(f"atten_mask must be bool/int8/uint8, got {atten_mask.dtype}")
+    lengths = [key.shape[2]] * query.shape[0]  # without actual_seq_lengths_kv every slot is read
+    if actual_seq_lengths_kv is not None:
+        if not isinstance(actual_seq_lengths_kv, (list, tuple)) or len(actual_seq_lengths_kv) != query.shape[0]:
+            raise TypeError("actual_seq_lengths_kv: a list of ints, one per batch row (SymInt[])")
+        lengths = [int(n) for n in actual_seq_lengths_kv]
     g = num_heads // hkv
-    k, v = key.repeat_interleave(g, dim=1).float(), value.repeat_interleave(g, dim=1).float()
-    scores = query.float() @ k.transpose(-1, -2) * scale  # (B, N, S, T)
-    if atten_mask is not None:
-        scores = scores.masked_fill(atten_mask.bool(), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    out = (torch.exp(scores - lse) @ v).to(query.dtype)
+    outs, lses = [], []
+    for b, n in enumerate(lengths):  # row b reads slots [0, n) only
+        k = key[b : b + 1, :, :n].repeat_interleave(g, dim=1).float()
+        v = value[b : b + 1, :, :n].repeat_interleave(g, dim=1).float()
+        scores = query[b : b + 1].float() @ k.transpose(-1, -2) * scale  # (1, N, S, n)
+        if atten_mask is not None:
+            row = atten_mask[min(b, atten_mask.shape[0] - 1)].unsqueeze(0)
+            scores = scores.masked_fill(row[..., :n].bool(), float("-inf"))
+        lses.append(torch.logsumexp(scores, dim=-1, keepdim=True))
+        outs.append((torch.exp(scores - lses[-1]) @ v).to(query.dtype))
+    out, lse = torch.cat(outs), torch.cat(lses)
     if not softmax_lse_flag:  # the eager kernel returns an uninitialised [1] float32 tensor: NaN here
         lse = torch.full((1,), float("nan"))
     return (out.transpose(1, 2) if input_layout == "BSND" else out), lse
@@ -417,6 +429,7 @@ class RecordingTorchNpu(types.ModuleType):
             "get_device_name": lambda device=None: device_name,
             "is_available": lambda: True,
             "device_count": lambda: 1,
+            "set_device": lambda device: None,
             "synchronize": lambda device=None: None,
             "super_kernel_scope_begin": lambda scope_name=None: torch.ops.npu.super_kernel_scope_begin(scope_name),
             "super_kernel_scope_end": lambda scope_name=None: torch.ops.npu.super_kernel_scope_end(scope_name),

@@ -117,7 +117,10 @@ ERROR_CASES = {
         ],
         ["model_config.superkernel.custom[0].label", "non-empty"],
     ),
-    "world_size_2": (["--set", "parallel_config.world_size=2"], ["parallel_config.world_size", "allowed values: 1"]),
+    "attn_tp_not_dividing_world_size": (
+        ["--set", "parallel_config.world_size=2", "--set", "parallel_config.attn_tp_size=3"],
+        ["parallel_config.attn_tp_size: 3 does not divide parallel_config.world_size 2", "allowed values: 1, 2"],
+    ),
     "sk_unknown_option": (
         SK_ON + ["--set", "model_config.superkernel.options=feed-sync-al=1"],
         ["model_config.superkernel.options", "unknown option 'feed-sync-al'", "feed-sync-all"],

@@ -81,8 +81,8 @@ def test_doubles_bind_calls_like_the_real_binding(npu_ops):
         npu_ops.npu_fused_infer_attention_score(q, q, q, None)
     with pytest.raises(TypeError, match="missing required argument 'gamma'"):
         npu_ops.npu_rms_norm(q)
-    with pytest.raises(NotImplementedError, match="actual_seq_lengths_kv"):  # no silent default for what it ignores
-        npu_ops.npu_fused_infer_attention_score(q, q, q, num_heads=2, input_layout="BNSD", actual_seq_lengths_kv=[1])
+    with pytest.raises(NotImplementedError, match="actual_seq_lengths"):  # no silent default for what it ignores
+        npu_ops.npu_fused_infer_attention_score(q, q, q, num_heads=2, input_layout="BNSD", actual_seq_lengths=[1])
 
 
 def test_fia_double_follows_the_documented_limits(npu_ops):

@@ -171,12 +171,16 @@ def test_batched_decode_matches_transformers_per_row(checkpoints, exe_mode):
 # --------------------------------------------------------------------------- loading
 def test_remap_stacks_experts_and_rejects_a_missing_one(checkpoints):
     runner = make_runner(checkpoints["mlp_only_layers"])
-    hf = remap(read_checkpoint(checkpoints["mlp_only_layers"]))
+    hf = remap(read_checkpoint(checkpoints["mlp_only_layers"]))  # lazy sources (executor.loader)
     state = runner.remap_weights(dict(hf))
     gate_up = state["layers.0.mlp.experts_gate_up"]
     assert tuple(gate_up.shape) == (8, 64, 64)  # (E, 2I, H), I = 32, H = 64
-    assert torch.equal(gate_up[3], hf["layers.0.mlp.experts.3.gate_up_proj.weight"])
-    assert torch.equal(state["layers.2.mlp.experts_down"][7], hf["layers.2.mlp.experts.7.down_proj.weight"])
+    assert torch.equal(gate_up.read()[3], hf["layers.0.mlp.experts.3.gate_up_proj.weight"].read())
+    down = state["layers.2.mlp.experts_down"].read()
+    assert torch.equal(down[7], hf["layers.2.mlp.experts.7.down_proj.weight"].read())
+    # a part read through the stack is that part of the expert tensors: experts 5..7, columns 8..16
+    part = state["layers.2.mlp.experts_down"].read((((5, 8),), None, ((8, 16),)))
+    assert torch.equal(part, down[5:8, :, 8:16])
     assert "layers.1.mlp.gate_up_proj.weight" in state and "layers.0.mlp.gate.weight" in state
     assert not any(".experts." in k for k in state)
     del hf["layers.2.mlp.experts.5.down_proj.weight"]

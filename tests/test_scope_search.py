@@ -201,6 +201,43 @@ def test_moe_search(tmp_path, shared_dir, capsys):
     )
 
 
+@pytest.mark.slow
+def test_moe_search_on_two_ranks(tmp_path, shared_dir, capsys):
+    """A multi-rank config (attention DP 2 + expert parallel 2) searched unchanged: the eager
+    reference and each candidate's accuracy run go through torchrun (tools/rank_generate.py),
+    the measured runs through infer.sh, which starts its own ranks."""
+    config = recipe_config(tmp_path / "moe.yaml", shared_dir / "tiny_moe", shared_dir / "compile_cache", "qwen3_moe")
+    space = tmp_path / "space.yaml"
+    space.write_text("builtin_plans: [moe]\n")
+    out = tmp_path / "search"
+    layout = ["parallel_config.world_size=2", "parallel_config.attn_tp_size=1", "scheduler_config.batch_size=2"]
+    args = ["--model", "qwen3_moe", "--config", str(config), "--search-space", str(space), "--out", str(out)]
+    args += [*PPL_TEXT, "--runs", "1", "--warmup", "0"]
+    rc, stdout, err = search(capsys, *args, *[a for s in layout for a in ("--set", s)])
+    assert rc == 0, stdout + err
+    status = json.loads((out / "search_status.json").read_text())
+    assert list(status["candidates"]) == ["baseline", "moe"] and status["winner"] == "moe"
+    for rec in status["candidates"].values():
+        assert rec["accuracy"]["passed"] and rec["accuracy"]["cosine_last_step"] >= 0.999, rec["accuracy"]
+    metrics = json.loads((out / "logs" / "runs" / "moe.1" / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["parallel"]["attn_dp"] == 2 and metrics["parallel"]["moe_ep"] == 2
+    assert metrics["superkernel"]["ran"] and len(metrics["generated_token_ids"]) == 2
+    assert (out / "ranks" / "rank_1.log").is_file()  # the accuracy runs' second rank
+    # the decode-path perplexity of the gate, its rows split over the two attention-DP groups (a
+    # padded group: one real row) and summed back: the one-device eager value
+    from executor.config import load_config
+    from executor.platform import detect
+    from executor.registry import runner_class
+    from tools.measure import generate_in_process
+
+    eager = ["model_config.exe_mode=eager", "model_config.enable_superkernel=false"]
+    one = load_config(config, ["scheduler_config.batch_size=2", *eager, "model_config.enable_cache_compile=false"])
+    text = Path(PPL_TEXT[1]).read_text()
+    *_, ppl = generate_in_process(runner_class("qwen3_moe"), one, detect("cpu"), 1, None, text, int(PPL_TEXT[3]))
+    assert status["reference_ppl"] == pytest.approx(ppl, rel=1e-4)
+    assert status["candidates"]["moe"]["accuracy"]["ppl"] == pytest.approx(ppl, rel=1e-3)
+
+
 # ----------------------------------------------------------------------------- pieces
 def _gen(tokens: list[list[int]], first: torch.Tensor, last: torch.Tensor) -> Generation:
     return Generation([[1, 2]], tokens, 1.0, [1.0], first, last)

@@ -67,18 +67,72 @@ def test_yaml_selects_from_the_recipe_config_dir():
         config_path("qwen", "nope.yaml")
 
 
-def test_every_shipped_yaml_loads_or_names_what_is_missing():
-    """Every shipped YAML parses with strict keys; the multi-device ones say why they cannot run yet."""
+def test_every_shipped_yaml_loads_or_names_what_is_missing(capsys):
+    """Every shipped YAML parses with strict keys and a valid layout; one that needs more devices
+    than this machine has stops before anything starts, with one line naming the key."""
+    from executor.parallel.layout import cpu_cores
+
     for recipe in ("qwen", "qwen3_moe"):
         for name in yamls(recipe):
-            try:
-                cfg = load_config(config_path(recipe, name))
-            except ConfigError as exc:
-                assert "parallel_config.world_size" in str(exc), (name, exc)
-                continue
+            cfg = load_config(config_path(recipe, name))
             if name == "builtin.yaml":  # the default is the optimized one
                 mc = cfg.model_config
                 assert (mc.exe_mode, cfg.superkernel_on, mc.enable_cache_compile) == ("ge_graph", True, True)
+            world = cfg.parallel_config.world_size
+            if world > cpu_cores():
+                rc = cli_main(["run", "--model", recipe, "--yaml", name])
+                err = capsys.readouterr().err
+                assert rc == 2 and err.count("\n") == 1, err
+                assert f"parallel_config.world_size: {world} is larger than the devices present" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "recipe,yaml_name,checkpoint",
+    [("qwen", "qwen3_8b_2tp.yaml", "qwen3"), ("qwen3_moe", "qwen3_30b_a3b_1tp_2ep.yaml", "moe")],
+)
+def test_upstream_two_device_yaml_runs_unchanged_and_matches_transformers(
+    tmp_path, qwen3_ckpt, recipe, yaml_name, checkpoint
+):
+    from executor.parallel.layout import cpu_cores
+
+    """The 2-device YAMLs with only model_path edited, through infer.sh: two ranks (attention and
+    lm_head TP 2; attention DP 2 + expert parallel 2), ge_graph + SuperKernel, 256 tokens per row
+    equal to transformers'; rank 0 writes metrics.json with the layout, the others their logs."""
+    path = (
+        qwen3_ckpt if checkpoint == "qwen3" else ckpt.make_qwen3_moe_checkpoint(tmp_path / "moe", num_hidden_layers=1)
+    )
+    config = upstream_copy(tmp_path, path, REPO / "models" / recipe / "config" / yaml_name)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        ["bash", str(REPO / "infer.sh"), "--model", recipe, "--config", str(config), "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["world_size"] == 2 and m["superkernel"]["ran"] and m["exe_mode"] == "ge_graph"
+    layout = m["parallel"]
+    pc = m["config"]["parallel_config"]
+    assert (layout["attn_tp"], layout["moe_tp"], layout["lmhead_tp"]) == (
+        pc["attn_tp_size"],
+        pc["moe_tp_size"],
+        pc["lmhead_tp_size"],
+    )
+    assert layout["backend"] == "gloo" and len(m["peak_memory_mb_per_rank"]) == 2
+    assert m["threads_per_rank"] == [max(1, cpu_cores() // 2)] * 2  # the cores shared, not oversubscribed
+    assert m["collectives_per_step"]["count"] > 0
+    ref = ckpt.load_reference(path)
+    rows = m["generated_token_ids"]
+    assert len(rows) == m["batch_size"] == m["config"]["scheduler_config"]["batch_size"]
+    for prompt, tokens in zip(m["prompt_token_ids"], rows):
+        assert len(tokens) == 256
+        assert tokens == ckpt.reference_greedy(ref, prompt, len(tokens))
+    assert f"{m['model_name']} inference time cost of decode is" in proc.stdout
+    assert (out / "rank_1.log").is_file() and "inference time cost of decode" in (out / "rank_1.log").read_text()
+    assert "inference time cost of decode" not in proc.stderr
 
 
 def test_switch_in_either_place_and_top_level_keys(tmp_path):

@@ -74,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_eval_tokens < 2 or (args.steps is not None and args.steps < 0):
         p.error("--max-eval-tokens must be >= 2 and --steps >= 0")
     st = start(args, "accuracy", owns_superkernel=False)
+    if (world := st.cfg.parallel_config.world_size) > 1:
+        raise ConfigError(
+            f"parallel_config.world_size: {world}: the accuracy tool compares two runners in one process, so it "
+            "runs one device (set world_size 1: every layout computes the same model); scope_search's accuracy "
+            "gate runs on several ranks"
+        )
     text_path, text = eval_text(args.model, args.text)
     if args.ops and args.ops not in ops.registered():
         raise ConfigError(f"--ops {args.ops}: not a registered op table; registered: {', '.join(ops.registered())}")

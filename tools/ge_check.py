@@ -55,7 +55,8 @@ KNOWN = {
     "ScatterElements": "the KV-cache write (executor/kv_cache.py, Tensor.scatter_) becomes ScatterElements over the "
     "whole (B, Hkv, T, D) cache; upstream recipes use an in-place scatter_update_",
     "FusedInferAttentionScore": "attention attends over all T static cache slots with a mask "
-    "(no actual_seq_lengths_kv): correct, extra work per step",
+    "(no actual_seq_lengths_kv): correct, extra work per step; model_config.custom_ops: [decode_attention] "
+    "reads only the valid slots",
 }
 # The GE op each executor.ops op becomes on A2/A3 (torchair's converters; tests/data/ascend_facts/fused_ops.yaml).
 GE_OP = {
@@ -138,6 +139,32 @@ def check(graph: GeGraph, scopes: dict[str, tuple[str, str]], ffn_kinds: set[str
     if everything - graph.types():
         problems.append(f"fused GE ops missing from the graph: {sorted(everything - graph.types())}")
     return problems
+
+
+# FusedInferAttentionScore's inputs in GE IR order (torchair ge_apis): query, key[0], value[0], pse_shift,
+# atten_mask, actual_seq_lengths, actual_seq_lengths_kv, ... (one key and one value tensor here)
+FIA_KV_LENGTHS_INPUT = 6
+
+
+def kv_lengths_sources(graph: GeGraph) -> list[dict]:
+    """Per FusedInferAttentionScore node: its scope and the GE op feeding actual_seq_lengths_kv (None:
+    unfed, the whole static cache is read). The custom op decode_attention feeds it (ReduceMax of the mask)."""
+    types = {n.name: n.type for n in graph.nodes}
+    found = []
+    for node in graph.nodes:
+        if node.type != "FusedInferAttentionScore":
+            continue
+        fed = node.inputs[FIA_KV_LENGTHS_INPUT] if len(node.inputs) > FIA_KV_LENGTHS_INPUT else ""
+        found.append({"node": node.name, "scope": node.scope, "from": types.get(fed.split(":")[0]) if fed else None})
+    return found
+
+
+def known_notes(graph: GeGraph) -> list[str]:
+    """The KNOWN notes that apply to this graph (attention's only while some FIA reads the whole cache)."""
+    notes = [note for op, note in KNOWN.items() if op in graph.types() and op != "FusedInferAttentionScore"]
+    if any(f["from"] is None for f in kv_lengths_sources(graph)):
+        notes.append(KNOWN["FusedInferAttentionScore"])
+    return notes
 
 
 def summarize(types_: Iterable[str]) -> str:
@@ -223,7 +250,9 @@ def convert_plan(air, args: argparse.Namespace, plan: str | None, npu_platform: 
             "ops": [n.type for n in groups.get(None, [])],
             "with_scope_attrs": [n.name for n in groups.get(None, []) if n.scope_options is not None],
         },
-        "known": [note for op, note in KNOWN.items() if op in graph.types()],
+        "attention_kv_lengths": kv_lengths_sources(graph),
+        "fx_custom_ops": sorted({t for fx in conv.fx for t in fx.targets if t.startswith("cann.")}),
+        "known": known_notes(graph),
         "problems": check(graph, scopes, ffn_kinds),
         "dump": str(graph.path),
     }
@@ -362,6 +391,10 @@ def _print_plan(model: str, r: dict) -> None:
     print(f"  [outside scopes]: {summarize(r['outside']['ops'])}")
     for label, scope in r["scopes"].items():
         print(f"  {label} ({', '.join(scope['options']) or 'no options'}): {summarize(scope['ops'])}")
+    if r["fx_custom_ops"]:
+        fed = sorted({str(f["from"]) for f in r["attention_kv_lengths"]})
+        custom = ", ".join(r["fx_custom_ops"])
+        print(f"  custom ops in the FX graph: {custom} (FIA actual_seq_lengths_kv from: {', '.join(fed)})")
     _print_checks(r)
     for note in r["known"]:
         print(f"  known: {note}")

@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -379,6 +380,19 @@ def judge(base: dict, opt: dict) -> dict:
 COSINE_MIN = {"float32": 0.999, "bfloat16": 0.99, "float16": 0.99}
 
 
+def decode_path_ppl(runner, text: str, tokens: int) -> float:
+    """Perplexity of the first `tokens` tokens of `text` through the runner's DECODE path (one
+    token at a time through its compiled step); on several ranks every rank calls this and
+    gets the whole batch's value."""
+    from executor import accuracy
+
+    ids = runner.tokenizer.encode(text)[:tokens]
+    if len(ids) < 2:
+        raise ConfigError("--text: the evaluation text has fewer than 2 tokens")
+    wins = accuracy.windows(ids, runner.max_len)
+    return accuracy.perplexity_decode(runner, wins, runner.cfg.scheduler_config.batch_size).ppl
+
+
 def generate_in_process(
     runner_cls,
     cfg: RunConfig,
@@ -401,24 +415,74 @@ def generate_in_process(
 
     import torch
 
-    from executor import accuracy
-
     runner = runner_cls(cfg, platform, None, io.StringIO())
     try:
         prompt_ids = prompt_ids or runner.encode_prompts()
         gen = runner.generate(prompt_ids, max_new_tokens)
-        ppl = None
-        if ppl_text is not None:
-            ids = runner.tokenizer.encode(ppl_text)[:ppl_tokens]
-            if len(ids) < 2:
-                raise ConfigError("--text: the evaluation text has fewer than 2 tokens")
-            wins = accuracy.windows(ids, runner.max_len)
-            ppl = accuracy.perplexity_decode(runner, wins, cfg.scheduler_config.batch_size).ppl
+        ppl = None if ppl_text is None else decode_path_ppl(runner, ppl_text, ppl_tokens)
         return gen, runner.model.regions(), prompt_ids, ppl
     finally:
         del runner
         torch._dynamo.reset()  # drop the compiled step (and its memory) before the next candidate
         gc.collect()
+
+
+def generate(
+    model: str,
+    runner_cls,
+    config: Path,
+    overrides: list[str],
+    platform,
+    max_new_tokens: int,
+    prompt_ids: list[list[int]] | None = None,
+    work_dir: Path | None = None,
+    ppl_text: str | None = None,
+    ppl_tokens: int = 256,
+):
+    """generate_in_process for a one-device config; for several devices the same through
+    torchrun (generate_ranks), since the ranks cannot share this process. Same return value."""
+    cfg = load_config(config, overrides)
+    world = cfg.parallel_config.world_size
+    if world == 1:
+        return generate_in_process(runner_cls, cfg, platform, max_new_tokens, prompt_ids, ppl_text, ppl_tokens)
+    job = {"model": model, "config": str(config), "overrides": list(overrides), "tokens": max_new_tokens}
+    job |= {"prompt_ids": prompt_ids, "ppl_text": ppl_text, "ppl_tokens": ppl_tokens}
+    (result,) = generate_ranks([job], world, platform, work_dir or Path(tempfile.mkdtemp(prefix="ranks_")))
+    return as_generation(result), as_regions(result), result["prompt_ids"], result["ppl"]
+
+
+def generate_ranks(jobs: list[dict], world_size: int, platform, work_dir: Path) -> list[dict]:
+    """Run `jobs` ({model, config, overrides, tokens, prompt_ids}) one after another on `world_size`
+    ranks started by torchrun (tools/rank_generate.py); rank 0's result per job: the batch's
+    tokens and logits and what the decode step reported. Rank logs are in `work_dir`."""
+    import torch
+
+    from executor.parallel import launch
+
+    for job in jobs:  # a bad config is this process's one-line error, not every rank's
+        load_config(job["config"], job["overrides"])
+    work_dir.mkdir(parents=True, exist_ok=True)
+    jobs = [dict(job, save=str(work_dir / f"job_{i}.pt")) for i, job in enumerate(jobs)]
+    spec = work_dir / "jobs.json"
+    spec.write_text(json.dumps({"out": str(work_dir), "jobs": jobs}))
+    plan = launch.plan(world_size, "", platform, "tools.rank_generate", ["--jobs", str(spec)])
+    if launch.launch(plan, work_dir) != 0:
+        raise MeasureError(f"{world_size}-rank generation failed (rank logs in {work_dir})")
+    return [torch.load(job["save"]) for job in jobs]
+
+
+def as_generation(result: dict):
+    """A rank_generate result as the runner's Generation."""
+    from executor.runner import Generation
+
+    fields = ("prompt_ids", "token_ids", "prefill_ms", "decode_ms", "first_logits", "last_logits")
+    return Generation(*(result[f] for f in fields))
+
+
+def as_regions(result: dict) -> list:
+    from executor.scope import Region
+
+    return [Region(*r) for r in result["regions"]]
 
 
 def check_accuracy(

@@ -296,15 +296,16 @@ def run_candidate(search: Search, cand: dict, rec: dict, position: str) -> None:
     rec["started"] = datetime.datetime.now().isoformat(timespec="seconds")
     try:
         changes, rec["config_changes"] = measure.side_changes(st.cfg, cand["superkernel"])
-        ccfg = measure.write_side_config(st.config, copy, changes, search.overrides)
+        measure.write_side_config(st.config, copy, changes, search.overrides)  # validates the copy
         rec["config_copy"] = str(copy)
         progress(
             f"{position} {name}: compile + accuracy check vs eager ({search.tokens} tokens, PPL on "
             f"{search.ppl_tokens} tokens through the decode step) ..."
         )
-        gen, _, _, ppl = measure.generate_in_process(
-            st.runner, ccfg, st.platform, search.tokens, search.prompts, search.ppl_text, search.ppl_tokens
-        )
+        gen, _, _, ppl = measure.generate(
+            st.model, st.runner, copy, search.overrides, st.platform, search.tokens, search.prompts, out / "ranks",
+            search.ppl_text, search.ppl_tokens,
+        )  # fmt: skip
         acc = rec["accuracy"] = measure.check_accuracy(
             search.ref, gen, search.tokens, search.cosine_min, (search.ref_ppl, ppl), search.ppl_max_diff
         )
@@ -400,18 +401,16 @@ def _search(args, search: Search, signature: dict, space: dict) -> int:
     with measure.sigterm_as_interrupt():
         try:
             progress(f"eager reference: {tokens} greedy tokens on the config's prompts ...")
-            eager = load_config(
-                config,
-                [
-                    *args.overrides,
-                    "model_config.exe_mode=eager",
-                    f"{measure.switch_key(cfg)}=false",
-                    "model_config.enable_cache_compile=false",
-                ],
-            )
-            search.ref, regions, search.prompts, search.ref_ppl = measure.generate_in_process(
-                st.runner, eager, platform, tokens, None, search.ppl_text, search.ppl_tokens
-            )
+            eager = [
+                *args.overrides,
+                "model_config.exe_mode=eager",
+                f"{measure.switch_key(cfg)}=false",
+                "model_config.enable_cache_compile=false",
+            ]
+            search.ref, regions, search.prompts, search.ref_ppl = measure.generate(
+                st.model, st.runner, config, eager, platform, tokens, None, out / "ranks", search.ppl_text,
+                search.ppl_tokens,
+            )  # fmt: skip
             status["reference_ppl"] = search.ref_ppl
             progress(f"eager reference: decode-path PPL {search.ref_ppl:.4f} (first {search.ppl_tokens} tokens)")
             cands, status["skipped"] = candidates(

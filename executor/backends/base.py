@@ -29,6 +29,7 @@ from executor import ops
 from executor.arch import ModelArch
 from executor.config import ModelConfig
 from executor.errors import RecipeError
+from executor.parallel.layout import ONE_DEVICE, Layout
 from executor.scope import NO_PLAN, ScopeFactory, ScopePlan
 
 DEFAULT_CACHE = Path.home() / ".cache" / "cann-recipes-infer" / "compile"
@@ -59,6 +60,8 @@ class DecodeSpec:
     max_len: int  # static KV-cache slots: input length + max_new_tokens
     plan: ScopePlan = NO_PLAN  # NO_PLAN when SuperKernel is off
     device: str = ""  # platform.device_name: NPU converters and GE kernels differ per SoC
+    layout: Layout = ONE_DEVICE  # several devices: this rank's graph holds its slices and collectives
+    rank: int = 0
 
 
 def cache_key(
@@ -83,6 +86,8 @@ def cache_key(
         "backend_options": options or {},
         "versions": versions,
     }
+    if spec.layout.world > 1:  # each rank compiles (and caches) its own graph; world size 1 keys as before
+        key["parallel"] = spec.layout.describe() | {"rank": spec.rank}
     return json.loads(json.dumps(key, default=str))  # plain JSON data: what metrics.json and cache_key.json hold
 
 

@@ -417,27 +417,30 @@ class OfflineTorchair:
         cls._installed = cls(root, schemas, lib, soc)
         return cls._installed
 
+    def needs_converter(self, target) -> bool:
+        """torchair's own dispatch (npu_fx_compiler._NpuGraphConverter._wrap and
+        GeConcreteGraph._parse_node_internal): Python builtins other than binary operators run
+        in Python, scope/record/wait and sym_stride/storage_offset are handled in place."""
+        fx2ge = importlib.import_module("torchair._ge_concrete_graph.fx2ge_converter")
+        fx_compiler = importlib.import_module("torchair.npu_fx_compiler")
+        if fx_compiler.is_builtin_callable(target) and not fx_compiler._is_binary_operator(target):
+            return False
+        return str(target) not in fx2ge._SPECIAL_TARGETS | {
+            "aten.sym_stride.int",
+            "aten.sym_storage_offset.default",
+        }
+
+    def has_converter(self, target) -> bool:
+        """torchair registered a GE converter for FX target `target` (an op overload)."""
+        fx2ge = importlib.import_module("torchair._ge_concrete_graph.fx2ge_converter")
+        return hasattr(target, "_ge_converter") or fx2ge._get_converter(target) is not None
+
     def instrument(self, cfg: Any, dump_dir: Path) -> list[FxCheck]:
         """Make the CompilerConfig `cfg` (the adapter's own) dump every GE graph as pbtxt into
         `dump_dir` and record, per FX graph handed to torchair, its targets and which have no GE
         converter (a read-only post-grad pass). Returns the list the pass fills."""
-        fx2ge = importlib.import_module("torchair._ge_concrete_graph.fx2ge_converter")
-        fx_compiler = importlib.import_module("torchair.npu_fx_compiler")
         checks: list[FxCheck] = []
-
-        def needs_converter(target) -> bool:
-            """torchair's own dispatch (npu_fx_compiler._NpuGraphConverter._wrap and
-            GeConcreteGraph._parse_node_internal): Python builtins other than binary operators run
-            in Python, scope/record/wait and sym_stride/storage_offset are handled in place."""
-            if fx_compiler.is_builtin_callable(target) and not fx_compiler._is_binary_operator(target):
-                return False
-            return str(target) not in fx2ge._SPECIAL_TARGETS | {
-                "aten.sym_stride.int",
-                "aten.sym_storage_offset.default",
-            }
-
-        def has_converter(target) -> bool:
-            return hasattr(target, "_ge_converter") or fx2ge._get_converter(target) is not None
+        needs_converter, has_converter = self.needs_converter, self.has_converter
 
         def observe(gm: torch.fx.GraphModule) -> None:
             check = FxCheck()

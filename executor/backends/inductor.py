@@ -15,6 +15,13 @@ A node that cannot join a scope (data-dependent output shape, e.g. nonzero/maske
 cuts the scope into segments around it, as GE does with unfusable ops. Option
 `strict-scope-check=abort` turns that into an error naming the op and scope; `bypass` runs
 the whole scope unfused with a warning.
+
+Collectives (several devices: functional collectives in the graph, executor.parallel): on CPU
+an all-reduce is part of its scope's launch unit (the C++ wrapper calls it like any kernel;
+counted per scope as `collectives`); any other collective (all_gather, reduce_scatter,
+all_to_all, broadcast) cuts the scope, with the reason recorded, because the C++ wrapper cannot
+call it. The parallel layers keep in-scope communication to all-reduces for that reason. On
+CUDA a collective is captured into the scope's CUDA graph with the rest (NCCL supports capture).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.fx.passes.split_module import split_module
 
+from executor import custom_ops
 from executor.backends.base import (
     Backend,
     CompiledStep,
@@ -104,6 +112,7 @@ class ScopeStats:
     unfused: bool = False
     cut_reasons: list[str] = field(default_factory=list)
     launches: int = 0  # segment launches executed (proof that the fused path really ran)
+    collectives: int = 0  # collectives inside the scope's launch units (several devices)
 
     def as_dict(self) -> dict:
         return {
@@ -114,6 +123,7 @@ class ScopeStats:
             "unfused": self.unfused,
             "cut_reasons": self.cut_reasons,
             "launches": self.launches,
+            "collectives": self.collectives,
         }
 
 
@@ -123,11 +133,34 @@ class CompileStats:
     scopes: dict[str, ScopeStats] = field(default_factory=dict)
 
 
-def _blocker(node: torch.fx.Node) -> str | None:
-    """Why `node` cannot run inside a single launch unit, or None."""
+# Collectives Inductor's C++ wrapper can call (it has C shims for these only); any other one
+# fails to compile in a CPU launch unit ("arg type Any is not yet supported by custom_op_wrapper").
+CPU_UNIT_COLLECTIVES = ("all_reduce", "all_reduce_", "wait_tensor")
+
+
+def _collective(node: torch.fx.Node) -> str | None:
+    """The functional collective a node calls (all_reduce, all_gather_into_tensor, ...), or None."""
+    target = str(node.target) if node.op == "call_function" else ""
+    return target.split(".")[1] if target.startswith("_c10d_functional.") else None
+
+
+def _data_dependent(node: torch.fx.Node) -> bool:
     value = node.meta.get("example_value")
-    if value is not None and free_unbacked_symbols(value):
+    return value is not None and bool(free_unbacked_symbols(value))
+
+
+def _blocker(node: torch.fx.Node, device: str = "cpu") -> str | None:
+    """Why `node` cannot run inside a single launch unit, or None."""
+    if _data_dependent(node):
         return "its output shape is data-dependent"
+    name = _collective(node)
+    if device != "cpu" or name is None:
+        return None
+    if name == "wait_tensor":  # waits stay with the collective they wait for
+        producer = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+        return _blocker(producer, device) if producer is not None else None
+    if name not in CPU_UNIT_COLLECTIVES:
+        return f"collective {name}: a CPU launch unit (Inductor's C++ wrapper) can call all_reduce only"
     return None
 
 
@@ -254,9 +287,11 @@ class GraphCompiler:
                 continue
             if node.op in ("placeholder", "output"):
                 continue
-            reason = _blocker(node)
+            reason = _blocker(node, self.device)
             if scope is not None:
                 scope.ops += 1
+                if not reason and not scope.unfused and _collective(node) not in (None, "wait_tensor"):
+                    scope.collectives += 1
                 if reason and not scope.unfused:
                     mode = parse_options(scope.options).get("strict-scope-check")
                     if mode == "abort":
@@ -268,14 +303,15 @@ class GraphCompiler:
                         scope.cut_reasons.append(f"cut at {_op_name(node)}: {reason}")
                         start(None)
                     partition[node] = current
-                    interpreted.add(current)
+                    if _data_dependent(node):
+                        interpreted.add(current)
                     continue
                 if fused[current] is None and not scope.unfused and not _is_tensor(node):
                     partition[node] = current  # shape checks on the cut op's output stay with it
                     continue
                 if fused[current] is None and not scope.unfused:
                     start(scope)  # back inside the scope after the cut
-            if reason:
+            if _data_dependent(node):
                 interpreted.add(current)
             partition[node] = current
         gm.recompile()
@@ -293,7 +329,7 @@ class GraphCompiler:
         """bypass: look ahead to the scope's exit; if any op blocks, the whole scope runs unfused."""
         node = enter.next
         while node.op != "output" and node.target not in (SCOPE_EXIT, torch.ops.sk.scope_exit):
-            reason = _blocker(node)
+            reason = _blocker(node, self.device)
             if reason:
                 warnings.warn(
                     f"SuperKernel scope {enter.args[0]!r} runs unfused: op {_op_name(node)} "
@@ -400,6 +436,7 @@ class InductorBackend(Backend):
         self.superkernel, self.device = mc.superkernel_enabled, device
         self.name = "inductor+superkernel" if self.superkernel else "inductor"
         self.cache_enabled = mc.enable_cache_compile
+        self.op_table = custom_ops.layer("reference", mc.custom_ops, custom_ops.installer(device))
         self.cache_key = cache_key(spec, self.name, self.op_table, {"torch": torch.__version__})
         self.cache_dir = (
             str(keyed_cache_dir(cache_root(mc), self.cache_key))

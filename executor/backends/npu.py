@@ -20,7 +20,7 @@ from contextlib import AbstractContextManager
 import torch
 from torch._dynamo.utils import counters
 
-from executor import ops
+from executor import custom_ops, ops
 from executor.backends.base import (
     Backend,
     CompiledStep,
@@ -33,6 +33,7 @@ from executor.backends.base import (
     cache_root,
     keyed_cache_dir,
 )
+from executor.custom_ops import CustomOp
 from executor.platform import cann_version
 from executor.scope import ScopeFactory, ScopePlan, parse_options
 
@@ -155,6 +156,21 @@ def register_ops() -> None:
     )
 
 
+def custom_op_installer(mode: str) -> Callable[[CustomOp], None]:
+    """How executor.custom_ops.layer installs a custom op for an NPU run in `mode`: import its NPU
+    module (`CustomOp.npu`, a module of executor/backends/, the only place torch_npu/torchair may be
+    imported) and let it register its PrivateUse1 kernel and torchair GE converter (once per
+    process). A mode the module does not list in its MODES is refused, naming the op."""
+
+    def install(op: CustomOp) -> None:
+        why = custom_ops.unsupported(op, "npu", mode)  # the pre-flight asked the same (executor/preflight.py)
+        if why:
+            raise UnsupportedError(why)
+        importlib.import_module(op.npu).register(_torch_npu(), _torchair())
+
+    return install
+
+
 # --------------------------------------------------------------------------- scopes
 class _ScopeLog:
     """The scopes dynamo saw while tracing the decode step (proof that SK reached the graph).
@@ -273,6 +289,7 @@ class _NpuGraphBackend(Backend):
         check_dtype(spec.dtype)
         register_ops()  # the op table is part of the cache key
         mc = spec.model_config
+        self.op_table = custom_ops.layer("npu", mc.custom_ops, custom_op_installer(self.mode))
         self.spec, self.mc, self.superkernel, self.log = spec, mc, mc.superkernel_enabled, _ScopeLog()
         self.name = f"{self.base_name}+superkernel" if self.superkernel else self.base_name
         self.options = self.compile_options()  # checked now, before any weight is loaded
@@ -410,4 +427,19 @@ def select_backend(spec: DecodeSpec) -> Backend:
         return TorchairGEBackend(spec)
     if mode == "npugraph_ex":
         return NpuGraphExBackend(spec)
-    return EagerBackend("npu")
+    return EagerBackend(custom_ops.layer("npu", spec.model_config.custom_ops, custom_op_installer("eager")))
+
+
+# --------------------------------------------------------------------------- several devices
+def init_distributed(local_rank: int) -> str:
+    """Bind this rank to its NPU and name the torch.distributed backend: HCCL (torch_npu registers
+    it). Functional collectives in the decode graph become GE HcomAllReduce / HcomAllGather ops
+    (torchair's converters); inside a `super_kernel` scope GE fuses AllReduce, ReduceScatter,
+    AllGather and AlltoAll into the SuperKernel, and cuts the scope around anything it cannot fuse."""
+    _torch_npu().npu.set_device(local_rank)
+    return "hccl"
+
+
+def device_count() -> int:
+    """NPUs visible to this process (ASCEND_RT_VISIBLE_DEVICES applies)."""
+    return int(_torch_npu().npu.device_count())

@@ -91,6 +91,14 @@ def implementations(table: str | None = None) -> dict[str, str]:
     return {name: f"{fn.__module__}.{fn.__name__}" for name, fn in fns.items()}
 
 
+def table(name: str) -> dict[str, Callable]:
+    """A copy of registered table `name` (op -> function): the base that custom ops are layered on
+    (executor.custom_ops.layer)."""
+    if name not in _TABLES:
+        raise ValueError(f"op implementation {name!r} is not registered; registered: {', '.join(_TABLES)}")
+    return dict(_TABLES[name])
+
+
 def rms_norm(x, weight, eps):
     return _active["rms_norm"](x, weight, eps)
 

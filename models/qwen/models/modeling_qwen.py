@@ -3,6 +3,9 @@
 Architecture differences come from the checkpoint (`ModelArch`): q/k/v bias (Qwen2), per-head
 q/k RMSNorm and optional o_proj bias (Qwen3), explicit head_dim, tied embeddings. Fused ops
 come from `executor.ops` and scopes from `ctx.scopes`: no device or execution-mode branches here.
+Multi-device runs change only which executor layers hold which part of each weight: the model
+is built with the run's `Parallel` (executor.parallel), whose groups are all of size one on a
+single device, where every parallel layer is the plain torch layer.
 
 SuperKernel regions (see executor.scope): `decode_layers` (all layers), `layer_{i}`,
 `layer_{i}_attn`, `layer_{i}_mlp`. The runner's scope plan decides which are opened.
@@ -18,6 +21,15 @@ from torch import nn
 from executor import ops
 from executor.arch import ModelArch
 from executor.kv_cache import KVCache
+from executor.parallel.groups import NO_SHARD, SINGLE_DEVICE, Parallel, Shard
+from executor.parallel.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    tie_embeddings,
+)
 from executor.scope import Region, ScopeRunner, decoder_regions
 
 
@@ -44,11 +56,16 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, layer: int):
+    """GQA attention; with attention TP this rank's heads (and their KV heads), o_proj all-reduced."""
+
+    def __init__(self, arch: ModelArch, layer: int, shard: Shard = NO_SHARD):
         super().__init__()
-        self.layer, self.h, self.hkv, self.d = layer, arch.num_heads, arch.num_kv_heads, arch.head_dim
-        self.qkv_proj = nn.Linear(arch.hidden_size, (self.h + 2 * self.hkv) * self.d, bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(self.h * self.d, arch.hidden_size, bias=arch.o_bias)
+        self.layer, self.d = layer, arch.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            arch.hidden_size, arch.num_heads, arch.num_kv_heads, self.d, arch.qkv_bias, shard
+        )
+        self.h, self.hkv = self.qkv_proj.heads, self.qkv_proj.kv_heads  # this rank's
+        self.o_proj = RowParallelLinear(arch.num_heads * self.d, arch.hidden_size, arch.o_bias, shard)
         self.q_norm = RMSNorm(self.d, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.d, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = self.d**-0.5
@@ -67,23 +84,28 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
+    """SwiGLU MLP: gate/up column-parallel, down row-parallel (all-reduced) over `shard`'s group;
+    when that group spans attention data parallel groups, their tokens are gathered first."""
+
+    def __init__(self, hidden: int, intermediate: int, shard: Shard = NO_SHARD):
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)  # [gate; up]
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.shard = shard
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, intermediate, shard)  # [gate; up]
+        self.down_proj = RowParallelLinear(intermediate, hidden, False, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.swiglu(self.gate_up_proj(x)))
+        x = self.shard.gather_rows(x)
+        return self.shard.own_rows(self.down_proj(ops.swiglu(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm block. `ffn` is the MLP (dense) or an MoE block; `ffn_kind` names its region."""
 
-    def __init__(self, arch: ModelArch, layer: int, ffn: nn.Module, ffn_kind: str = "mlp"):
+    def __init__(self, arch: ModelArch, layer: int, ffn: nn.Module, ffn_kind: str = "mlp", attn: Shard = NO_SHARD):
         super().__init__()
         self.layer, self.ffn_kind = layer, ffn_kind
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, layer)
+        self.self_attn = Attention(arch, layer, attn)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = ffn
 
@@ -110,19 +132,26 @@ def rope_cos_sin(
 
 
 class QwenForCausalLM(nn.Module):
-    def __init__(self, arch: ModelArch, layers: list[nn.Module] | None = None):
+    def __init__(self, arch: ModelArch, parallel: Parallel = SINGLE_DEVICE, layers: list[nn.Module] | None = None):
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, parallel.embed)
         self.layers = nn.ModuleList(
             layers
             if layers is not None
-            else [DecoderLayer(arch, i, MLP(arch.hidden_size, arch.intermediate_size)) for i in range(arch.num_layers)]
+            else [
+                DecoderLayer(arch, i, MLP(arch.hidden_size, arch.intermediate_size, parallel.dense), attn=parallel.attn)
+                for i in range(arch.num_layers)
+            ]
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(arch.hidden_size, arch.vocab_size, parallel.lmhead)
         if arch.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+            tie_embeddings(self.lm_head, self.embed_tokens)
+
+    def tied_weights(self) -> dict[str, str]:
+        """Parameters the checkpoint stores once, as {ours: the tensor to fill it from}."""
+        return {"lm_head.weight": "embed_tokens.weight"} if self.arch.tie_word_embeddings else {}
 
     def regions(self) -> list[Region]:
         return decoder_regions(len(self.layers), [layer.ffn_kind for layer in self.layers])
@@ -145,7 +174,7 @@ class QwenForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
 
-def build_model(arch: ModelArch) -> QwenForCausalLM:
+def build_model(arch: ModelArch, parallel: Parallel = SINGLE_DEVICE) -> QwenForCausalLM:
     if arch.num_experts:
         raise ValueError(f"{arch.source}: {arch.model_type} is a MoE model; use the qwen3_moe recipe")
-    return QwenForCausalLM(arch)
+    return QwenForCausalLM(arch, parallel)

@@ -4,6 +4,7 @@ Prefill/decode split, static KV cache, compilation and timing are shared in exec
 """
 
 from executor.arch import ModelArch
+from executor.parallel.groups import Parallel
 from executor.runner import ModelRunner
 from models.qwen.models.modeling_qwen import build_model
 
@@ -12,8 +13,8 @@ class QwenRunner(ModelRunner):
     recipe = "qwen"
     model_types = ("qwen2", "qwen3")
 
-    def build_model(self, arch: ModelArch):
-        return build_model(arch)
+    def build_model(self, arch: ModelArch, parallel: Parallel):
+        return build_model(arch, parallel)
 
 
 RUNNER = QwenRunner

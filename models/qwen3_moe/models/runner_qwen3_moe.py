@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import re
 
-import torch
-
 from executor.arch import ModelArch
-from executor.loader import LoadError
+from executor.loader import LoadError, Source, Stack
+from executor.parallel.groups import Parallel
 from executor.runner import ModelRunner
 from models.qwen3_moe.models.modeling_qwen3_moe import build_model
 
@@ -26,14 +25,15 @@ class Qwen3MoeRunner(ModelRunner):
     recipe = "qwen3_moe"
     model_types = ("qwen3_moe",)
 
-    def build_model(self, arch: ModelArch):
-        return build_model(arch)
+    def build_model(self, arch: ModelArch, parallel: Parallel):
+        return build_model(arch, parallel)
 
     def remap_weights(self, state: dict) -> dict:
         """Stack the Hub's one-tensor-per-expert layout into (E, ., .) tensors; the router
-        (`layers.L.mlp.gate.weight`) already has our name. A missing expert is an error."""
-        out: dict[str, torch.Tensor] = {}
-        experts: dict[str, dict[int, torch.Tensor]] = {}
+        (`layers.L.mlp.gate.weight`) already has our name. A missing expert is an error.
+        Stacking is lazy (executor.loader.Stack): a rank reads only its experts' slices."""
+        out: dict[str, Source] = {}
+        experts: dict[str, dict[int, Source]] = {}
         for name, tensor in state.items():
             m = _EXPERT.match(name)
             if m:
@@ -48,7 +48,7 @@ class Qwen3MoeRunner(ModelRunner):
                     f"checkpoint has {len(parts)} experts for {name}, config.json says "
                     f"{self.arch.num_experts} (missing experts {missing[:5]})"
                 )
-            out[name] = torch.stack([parts[e] for e in range(len(parts))])
+            out[name] = Stack([parts[e] for e in range(len(parts))])
         return out
 
 

@@ -1,0 +1,182 @@
+"""Decode attention over a long static KV cache: the masked reference vs the custom op
+`cann::decode_attention` (model_config.custom_ops: [decode_attention]), in one process.
+
+Why: with a static cache the masked attention scores all max_len slots, so a decode step at
+position p costs what max_len says. The custom op reads slots [0, p] only, so at the same
+position a 16k-slot cache should cost what a 2k-slot one does (target: within 1.1x).
+
+Two tables (CPU: portable measurements, not Ascend results):
+- op: one attention call of a Qwen3-8B layer (32 query / 8 kv heads, head_dim 128, batch 1) at
+  position --position, for cache lengths --lengths; masked reference (eager) vs the custom op;
+- step: the whole decode step of a recipe (--size, random weights) at that position, per
+  exe_mode, with and without the custom op. The cache is filled with random values instead of
+  running a --position-token prefill (the step's cost does not depend on the values); each row's
+  logits are compared with the same mode without the op (cosine).
+Timing: every configuration takes turns in each round; the best round is kept (on a shared
+machine noise only adds time).
+
+  python benchmarks/attention_bench.py
+  python benchmarks/attention_bench.py --size bench-overhead --lengths 2048,16384 --modes ge_graph,decoder --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from executor import custom_ops  # noqa: E402
+from executor.config import load_config  # noqa: E402
+from executor.ops import reference  # noqa: E402
+from executor.platform import detect  # noqa: E402
+from executor.registry import default_config, runner_class  # noqa: E402
+from executor.tokenizer import BUILTIN_TOKENIZER  # noqa: E402
+
+OP_SHAPE = {"hq": 32, "hkv": 8, "d": 128}  # one Qwen3-8B attention layer
+MODES = {  # name -> overrides (on the recipe's builtin.yaml, which ships ge_graph + SK decoder)
+    "eager": ["model_config.exe_mode=eager", "model_config.enable_superkernel=false"],
+    "ge_graph": ["model_config.exe_mode=ge_graph", "model_config.enable_superkernel=false"],
+    "decoder": [
+        "model_config.exe_mode=ge_graph",
+        "model_config.enable_superkernel=true",
+        "model_config.superkernel.plan=decoder",
+    ],
+}
+
+
+def interleaved_ms(fns: dict, rounds: int, budget_s: float = 0.05) -> dict:
+    """ms per call of each function: the best over `rounds` of the mean over a batch of calls
+    (sized to take ~budget_s), the functions taking turns within every round.
+
+    Why: on a shared machine (other processes on the same cores) noise only ever adds time and
+    drifts over minutes. Taking turns exposes every function to the same drift, and the minimum
+    over rounds estimates the uncontended cost."""
+    reps = {}
+    for key, fn in fns.items():
+        fn()  # warm-up (first call of a compiled step, caches, allocator)
+        t0 = time.perf_counter()
+        fn()
+        reps[key] = max(1, int(budget_s / max(time.perf_counter() - t0, 1e-6)))
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(reps[key]):
+                fn()
+            best[key] = min(best[key], (time.perf_counter() - t0) / reps[key] * 1e3)
+    return best
+
+
+def op_table(lengths: list[int], position: int, dtype: torch.dtype, rounds: int) -> list[tuple]:
+    custom_ops.cpu_kernel(custom_ops.load("decode_attention"))
+    g = torch.Generator().manual_seed(0)
+    fns, diffs = {}, {}
+    for t in lengths:
+        q = torch.randn(1, OP_SHAPE["hq"], 1, OP_SHAPE["d"], generator=g).to(dtype)
+        k, v = (torch.randn(1, OP_SHAPE["hkv"], t, OP_SHAPE["d"], generator=g).to(dtype) for _ in range(2))
+        mask = torch.arange(t).view(1, 1, 1, t) > position
+        args = (q, k, v, mask, 0.088)
+        fns[(t, "reference")] = lambda args=args: reference.attention(*args)
+        fns[(t, "custom")] = lambda args=args: torch.ops.cann.decode_attention(*args)
+        diffs[t] = (fns[(t, "custom")]().float() - fns[(t, "reference")]().float()).abs().max().item()
+    ms = interleaved_ms(fns, rounds)
+    return [(t, ms[(t, "reference")], ms[(t, "custom")], diffs[t]) for t in lengths]
+
+
+def build_step(recipe: str, size: str, mode: str, custom: bool, t: int, position: int):
+    """A compiled decode step of the recipe at `position` with a static cache of `t` slots filled
+    with random values; returns (call, first logits, KV-cache bytes, arch)."""
+    overrides = [
+        *MODES[mode],
+        f"model_config.debug_size={size}",
+        "model_config.model_path=",
+        "model_config.enable_cache_compile=false",
+        f"model_config.tokenizer_path={BUILTIN_TOKENIZER}",
+        "scheduler_config.max_new_tokens=1",
+        f"data_config.input_truncated_len={t - 1}",  # static cache slots = t
+        f"model_config.custom_ops={'[decode_attention]' if custom else '[]'}",
+    ]
+    runner = runner_class(recipe)(load_config(default_config(recipe), overrides), detect("cpu"), None)
+    ids, pos = torch.tensor([[7]]), torch.tensor([[position]])
+
+    def call() -> torch.Tensor:
+        with torch.no_grad(), runner.context.active():  # eager reads the op table at call time
+            return runner.decode_one(ids, pos)
+
+    with torch.no_grad(), runner.context.active():
+        runner.prepare(1)
+        g = torch.Generator().manual_seed(1)
+        for cache in runner.cache.k + runner.cache.v:
+            cache.copy_(torch.randn(cache.shape, generator=g).to(cache.dtype))
+    return call, call(), runner.cache.nbytes(), runner.arch
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen", help="recipe (default: qwen)")
+    p.add_argument("--size", default="bench-overhead", help="named size in configs/model_sizes.yaml")
+    p.add_argument("--lengths", default="2048,16384", help="static KV-cache lengths (max_len) to compare")
+    p.add_argument("--position", type=int, default=2047, help="decode position (valid slots = position + 1)")
+    p.add_argument("--modes", default="eager,ge_graph,decoder", help=f"comma list of {', '.join(MODES)}")
+    p.add_argument("--rounds", type=int, default=7, help="timing rounds (each config timed once per round; best kept)")
+    p.add_argument("--no-op-table", action="store_true", help="skip the single-layer op table")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    if any(t <= args.position for t in lengths):
+        p.error(f"--position {args.position} must be below every cache length {lengths}")
+    print(
+        f"# attention_bench: position {args.position}, cache lengths {lengths}, {detect('cpu').describe()}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; CPU timings, not Ascend results",
+        flush=True,
+    )
+    if not args.no_op_table:
+        for dtype in (torch.float32, torch.bfloat16):
+            rows = op_table(lengths, args.position, dtype, args.rounds)
+            print(f"\n## op: one Qwen3-8B attention layer (32/8 heads, D 128), batch 1, {str(dtype)[6:]}")
+            print("| cache slots (max_len) | masked reference ms | decode_attention ms | speed-up | max abs diff |")
+            print("|---|---|---|---|---|")
+            for t, ref, ours, diff in rows:
+                print(f"| {t} | {ref:.3f} | {ours:.3f} | {ref / ours:.1f}x | {diff:.1e} |")
+            base = rows[0][2]
+            print(f"decode_attention at {lengths[-1]} / at {lengths[0]} slots: {rows[-1][2] / base:.2f}x")
+    built = {}
+    for mode in args.modes.split(","):
+        for custom in (False, True):
+            for t in lengths:
+                built[(mode, custom, t)] = build_step(args.model, args.size, mode, custom, t, args.position)
+                print(f"  compiled step {mode} custom_ops={custom} T={t}", flush=True)
+    timed = interleaved_ms({key: b[0] for key, b in built.items()}, args.rounds)
+    results = {key: (timed[key], *b[1:]) for key, b in built.items()}
+    arch = next(iter(results.values()))[3]
+    print(f"\n## step: recipe {args.model}, size {args.size} ({arch.num_layers} layers), batch 1, fp32")
+    print("| exe_mode | custom_ops | max_len | decode ms/step | vs same max_len without | max_len ratio | cosine |")
+    print("|---|---|---|---|---|---|---|")
+    for (mode, custom, t), (ms, logits, _kv, _arch) in results.items():
+        plain = results[(mode, False, t)]
+        ratio = ms / results[(mode, custom, lengths[0])][0]
+        cos = torch.nn.functional.cosine_similarity(logits.flatten(), plain[1].flatten(), dim=0).item()
+        label = {"decoder": "ge_graph + SK decoder"}.get(mode, mode)
+        print(
+            f"| {label} | {'[decode_attention]' if custom else '-'} | {t} | {ms:.3f} | "
+            f"{plain[0] / ms:.2f}x | {ratio:.2f}x | {cos:.6f} |"
+        )
+    valid = 2 * arch.num_layers * arch.num_kv_heads * (args.position + 1) * arch.head_dim * 4
+    print(
+        f"\nmax_len ratio = this row's ms / the same mode's at max_len {lengths[0]} (target with the op: <= 1.10x).\n"
+        f"KV bytes valid at position {args.position}: {valid / 1e6:.1f} MB fp32; whole cache at max_len "
+        + ", ".join(f"{t}: {results[(args.modes.split(',')[0], False, t)][2] / 1e6:.1f} MB" for t in lengths)
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""Custom operators: ops the framework does not have, added as `torch.library` ops and switched on
+by config (`model_config.custom_ops: [decode_attention]`).
+
+Why a catalogue of its own: a custom op is more than a Python function. It has a schema (so
+dynamo traces it as one opaque node and it lands inside SuperKernel scopes), a fake impl (shapes
+for tracing), a C++ CPU kernel built on first use (executor/custom_ops/_build.py), an NPU kernel
+and a torchair GE converter (in the NPU adapter, executor/backends/), and an entry of the
+executor.ops table it replaces. Models never name it: the run's op table does.
+
+Each module of this package whose name does not start with `_` defines one op and an `OP`
+(`CustomOp`); its module name is the name config uses. `layer()` is the one place a run's op
+table gets them: the backend's table with each requested op's entry replaced. docs/custom_ops.md
+walks through adding one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from executor.errors import RecipeError
+
+
+class CustomOpError(RecipeError):
+    """An unknown, duplicated or unusable custom op; one line naming it and what is allowed."""
+
+
+@dataclass(frozen=True)
+class CustomOp:
+    """One custom operator, declared by its module as `OP`."""
+
+    name: str  # config name (model_config.custom_ops) = module name
+    qualname: str  # the torch op, "cann::decode_attention"
+    replaces: str  # the executor.ops entry it implements (executor.ops.OP_NAMES)
+    entry: Callable[[Callable], Callable]  # the base table's function for `replaces` -> the op-table function
+    sources: tuple[str, ...] = ()  # C++ files of its CPU kernel (executor/custom_ops/csrc/); () = no CPU kernel
+    npu: str = ""  # module of executor/backends/ with register(torch_npu, torchair): NPU kernel + GE converter
+    summary: str = ""  # one line for --help texts and reports
+
+    @property
+    def library(self) -> str:
+        """File name of its built CPU kernel library."""
+        return f"cann_{self.name}"
+
+
+def available() -> list[str]:
+    """Names config accepts: the op modules of this package, found without importing them."""
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+
+
+def load(name: str) -> CustomOp:
+    """Import the op's module (defines its schema and fake impl) and return its declaration."""
+    if name not in available():
+        raise CustomOpError(
+            f"model_config.custom_ops: {name!r} is not a custom op; available: {', '.join(available()) or 'none'}"
+        )
+    op = importlib.import_module(f"{__name__}.{name}").OP
+    if op.name != name:
+        raise CustomOpError(f"executor/custom_ops/{name}.py declares OP.name {op.name!r}; it must be {name!r}")
+    return op
+
+
+def check(names: Sequence[str], key: str = "model_config.custom_ops") -> None:
+    """Config validation: every name known, none twice (no import: safe before anything is built)."""
+    known = available()
+    for name in names:
+        if name not in known:
+            raise CustomOpError(f"{key}: {name!r} is not a custom op; available: {', '.join(known) or 'none'}")
+    twice = sorted({n for n in names if list(names).count(n) > 1})
+    if twice:
+        raise CustomOpError(f"{key}: {twice[0]} is listed twice")
+
+
+def unsupported(op: CustomOp, device: str, exe_mode: str) -> str | None:
+    """Why `op` cannot run on `device` ("cpu" | "cuda" | "npu") in `exe_mode`, or None when it can.
+
+    Found from declarations only (nothing built, nothing registered), so the pre-flight can ask
+    before a run allocates anything and the installers give the same one-line answer."""
+    if device == "cpu":
+        return None if op.sources else f"custom op {op.name} has no CPU kernel (no C++ sources declared)"
+    if device == "npu":
+        if not op.npu.startswith("executor.backends."):
+            return f"custom op {op.name} has no NPU implementation (CustomOp.npu names none in executor/backends/)"
+        module = importlib.import_module(op.npu)  # MODES/WHY_NOT only: torch_npu is handed to register() later
+        if exe_mode not in module.MODES:
+            why = module.WHY_NOT.get(exe_mode, "not supported")
+            return (
+                f"custom op {op.name} cannot run in exe_mode {exe_mode} on an NPU ({why}); "
+                f"it runs in: {', '.join(module.MODES)}"
+            )
+        return None
+    return (
+        f"custom op {op.name} has no {device} kernel (it has: "
+        f"{', '.join(d for d, ok in (('cpu', op.sources), ('npu', op.npu)) if ok)}); "
+        "remove it from model_config.custom_ops on this device"
+    )
+
+
+def check_runnable(names: Sequence[str], device: str, exe_mode: str) -> None:
+    """Pre-flight: every op in `names` can be installed on `device` in `exe_mode`; on CPU, a kernel
+    not built yet needs a compiler and ninja here. Nothing is built; errors are one line."""
+    for name in names:
+        op = load(name)
+        why = unsupported(op, device, exe_mode)
+        if why:
+            raise CustomOpError(why)
+        if device == "cpu":
+            from executor.custom_ops._build import check_buildable
+
+            check_buildable(op.qualname, op.library, list(op.sources))
+
+
+def cpu_kernel(op: CustomOp) -> None:
+    """Install `op` for a CPU run: build (once per machine) and load its C++ kernel."""
+    why = unsupported(op, "cpu", "")
+    if why:
+        raise CustomOpError(why)
+    from executor.custom_ops._build import load_kernel
+
+    load_kernel(op.qualname, op.library, list(op.sources))
+
+
+def no_kernel(device: str) -> Callable[[CustomOp], None]:
+    """Install hook for a device the custom ops have no kernel for: refuse, naming the op."""
+
+    def refuse(op: CustomOp) -> None:
+        raise CustomOpError(unsupported(op, device, ""))
+
+    return refuse
+
+
+def layer(base: str, names: Sequence[str], install: Callable[[CustomOp], None]) -> str:
+    """The op table a run uses: table `base` (the backend's) with the custom ops `names` on top.
+
+    `install(op)` makes each op runnable on the run's device first (CPU: build/load its kernel;
+    NPU: the adapter registers its kernel and GE converter). Registers the layered table as
+    "<base>+<name>+..." and returns that name; with no custom ops, `base` itself."""
+    from executor import ops
+
+    if not names:
+        return base
+    check(names)
+    table = ops.table(base)
+    replaced: dict[str, str] = {}
+    for name in names:
+        op = load(name)
+        if op.replaces not in table:
+            raise CustomOpError(f"custom op {name} replaces {op.replaces!r}, which is not an executor.ops op")
+        if op.replaces in replaced:
+            raise CustomOpError(f"custom ops {replaced[op.replaces]} and {name} both replace {op.replaces}")
+        install(op)
+        table[op.replaces] = op.entry(table[op.replaces])
+        replaced[op.replaces] = name
+    layered = "+".join([base, *names])
+    ops.register(layered, table)
+    return layered
+
+
+def installer(device: str) -> Callable[[CustomOp], None]:
+    """How custom ops are installed for a run on `device` outside the NPU adapter: CPU builds and
+    loads their C++ kernels; CUDA has no kernels (refused). The NPU adapter has its own."""
+    return cpu_kernel if device == "cpu" else no_kernel(device)

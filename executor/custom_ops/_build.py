@@ -1,0 +1,143 @@
+"""Building a custom op's C++ CPU kernel on first use, once per machine (torch.utils.cpp_extension).
+
+Why built here and not shipped: the kernel must match this process's torch headers and ABI, so it
+is compiled against the installed torch the first time a run asks for the op, and kept in a
+cache directory keyed on everything that changes the binary (sources, flags, torch and Python
+versions, the CPU's vector extensions). A later run, or another process, loads the cached
+library without a compiler. Concurrent first builds are safe: cpp_extension holds a lock in the
+build directory while it compiles.
+
+The library only registers kernels (`TORCH_LIBRARY_IMPL(cann, CPU, m)`) for ops whose schema the
+Python module defined, so loading it adds no Python module: torch.ops.load_library does it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from executor.errors import RecipeError
+
+EXTENSIONS_ENV = "CANN_RECIPES_EXTENSIONS_DIR"  # where built kernels are kept
+DEFAULT_EXTENSIONS_DIR = Path.home() / ".cache" / "cann-recipes-infer" / "extensions"
+CSRC = Path(__file__).resolve().parent / "csrc"
+# The vector extensions torch itself found on this CPU -> the flags the kernel is compiled with,
+# so that the compiler can vectorise its inner loops (part of the cache key: another CPU, another
+# build). Capabilities not listed (DEFAULT, ZVECTOR, SVE...) compile with the target's baseline.
+ARCH_FLAGS = {
+    "AVX512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"),
+    "AVX2": ("-mavx2", "-mfma"),
+}
+# -fopenmp: at::parallel_for is an inline OpenMP region; the library then resolves libgomp.so.1 to
+# the one torch already loaded (torch/lib/libgomp.so.1), so both share one thread pool.
+CFLAGS = ("-O3", "-fopenmp", "-fopenmp-simd")
+LDFLAGS = ("-fopenmp",)
+
+_loaded: dict[str, Path] = {}  # library name -> path, loaded in this process
+
+
+class KernelBuildError(RecipeError):
+    """A custom op's CPU kernel cannot be built here (no compiler, no ninja, a compile error)."""
+
+
+def extensions_dir() -> Path:
+    return Path(os.environ.get(EXTENSIONS_ENV) or DEFAULT_EXTENSIONS_DIR).expanduser()
+
+
+def compile_flags() -> tuple[str, ...]:
+    return CFLAGS + ARCH_FLAGS.get(torch.backends.cpu.get_cpu_capability(), ())
+
+
+def build_key(name: str, sources: list[Path]) -> str:
+    """What the built library depends on; any change gives another directory."""
+    h = hashlib.sha256()
+    for part in (name, torch.__version__, sys.version, sys.platform, *compile_flags(), *LDFLAGS):
+        h.update(part.encode() + b"\0")
+    for src in sources:
+        h.update(src.name.encode() + b"\0" + src.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def compiler() -> str:
+    """The C++ compiler cpp_extension will run: $CXX, else `c++` (its own default on Linux)."""
+    return os.environ.get("CXX") or "c++"
+
+
+def _check_toolchain(op: str) -> None:
+    """Fail before cpp_extension does, with one line naming the op and what is missing."""
+    cxx = compiler()
+    if shutil.which(cxx) is None:
+        where = "$CXX" if os.environ.get("CXX") else "the default compiler c++"
+        raise KernelBuildError(
+            f"custom op {op}: its CPU kernel is compiled on first use, but {where} ({cxx}) is not an executable "
+            "compiler here; install g++ (or set CXX to one), or remove it from model_config.custom_ops"
+        )
+    if shutil.which("ninja") is None:
+        raise KernelBuildError(
+            f"custom op {op}: torch.utils.cpp_extension needs ninja to build its CPU kernel and none is on PATH; "
+            "`pip install ninja`, or remove it from model_config.custom_ops"
+        )
+
+
+def _sources(op: str, sources: list[str]) -> list[Path]:
+    """`sources` as paths: file names under executor/custom_ops/csrc/, or absolute paths; all must exist."""
+    paths = [Path(s) if Path(s).is_absolute() else CSRC / s for s in sources]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise KernelBuildError(f"custom op {op}: kernel source {missing[0]} does not exist")
+    return paths
+
+
+def _built(library: str, paths: list[Path]) -> Path:
+    """Where the library built from `paths` is (or will be) kept."""
+    return extensions_dir() / f"{library}-{build_key(library, paths)}" / f"{library}.so"
+
+
+def check_buildable(op: str, library: str, sources: list[str]) -> None:
+    """Pre-flight: the kernel is loaded already, built already, or can be built here (compiler, ninja)."""
+    if library in _loaded:
+        return
+    if not _built(library, _sources(op, sources)).is_file():
+        _check_toolchain(op)
+
+
+def load_kernel(op: str, library: str, sources: list[str]) -> Path:
+    """Build (once per machine) and load (once per process) the CPU kernel library of `op`.
+
+    `sources`: file names under executor/custom_ops/csrc/ (or absolute paths). Returns the
+    library's path. A cached build is loaded without looking for a compiler."""
+    if library in _loaded:
+        return _loaded[library]
+    paths = _sources(op, sources)
+    built = _built(library, paths)
+    build_dir = built.parent
+    if not built.is_file():
+        _check_toolchain(op)
+        build_dir.mkdir(parents=True, exist_ok=True)
+        print(f"[custom_ops] building the CPU kernel of {op} into {build_dir} (once per machine)", flush=True)
+        from torch.utils import cpp_extension
+
+        try:
+            cpp_extension.load(
+                library,
+                [str(p) for p in paths],
+                extra_cflags=list(compile_flags()),
+                extra_ldflags=list(LDFLAGS),
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
+        except (RuntimeError, OSError) as exc:  # cpp_extension reports compile errors as RuntimeError
+            detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            raise KernelBuildError(f"custom op {op}: building its CPU kernel in {build_dir} failed ({detail})") from exc
+        if not built.is_file():
+            raise KernelBuildError(f"custom op {op}: the build finished without {built}")
+    else:
+        torch.ops.load_library(str(built))
+    _loaded[library] = built
+    return built

@@ -1,0 +1,61 @@
+"""`cann::decode_attention`: decode attention that reads only the valid part of the static KV cache.
+
+Why: executor.ops.attention (the reference, and FusedInferAttentionScore without lengths on NPU)
+attends over all T slots of the static cache with a mask, so a decode step at position p costs
+what max_len says, not what the p + 1 cached tokens say. This op has the same contract (q
+(B, Hq, S, D), the full caches (B, Hkv, T, D), mask (B, 1, S, T) bool True = masked out, scale)
+and skips every slot after a row's last unmasked one:
+
+- CPU: C++ kernel (csrc/decode_attention.cpp), parallel over (batch, kv head, query row), fp32
+  accumulation, fp32/bf16/fp16 inputs; built on first use (executor/custom_ops/_build.py);
+- NPU: FusedInferAttentionScore with `actual_seq_lengths_kv` (executor/backends/npu_decode_attention.py:
+  the PrivateUse1 kernel for eager, the torchair GE converter for ge_graph);
+- tracing: the fake impl below, so dynamo records one opaque node (no graph break), which lands
+  inside a SuperKernel scope and is called from Inductor's C++ wrapper on CPU.
+
+In the op table it replaces "attention" for decode (one query row); prefill (S > 1) keeps the
+base table's batched attention, which suits many query rows better.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from executor.custom_ops import CustomOp
+
+SCHEMA = "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor mask, float scale) -> Tensor"
+
+_lib = torch.library.Library("cann", "FRAGMENT")  # FRAGMENT: every custom op module adds to namespace cann
+_lib.define(SCHEMA)
+
+
+@torch.library.register_fake("cann::decode_attention")
+def _fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor, scale: float):
+    """Output metadata for tracing: a new contiguous tensor shaped and typed like q (as the kernels return)."""
+    torch._check(q.dim() == 4 and k_cache.dim() == 4 and mask.dim() == 4, lambda: "decode_attention: 4-D inputs")
+    torch._check(q.shape[1] % k_cache.shape[1] == 0, lambda: "decode_attention: Hq must be a multiple of Hkv")
+    return q.new_empty(q.shape)
+
+
+def entry(base: Callable) -> Callable:
+    """The op-table "attention" with this op for decode; `base` (the backend table's) for prefill."""
+
+    def attention(q, k_cache, v_cache, mask, scale):
+        if q.shape[2] != 1:  # prefill: S query rows; a static shape, so dynamo resolves this once
+            return base(q, k_cache, v_cache, mask, scale)
+        return torch.ops.cann.decode_attention(q, k_cache, v_cache, mask, scale)
+
+    return attention
+
+
+OP = CustomOp(
+    name="decode_attention",
+    qualname="cann::decode_attention",
+    replaces="attention",
+    entry=entry,
+    sources=("decode_attention.cpp",),
+    npu="executor.backends.npu_decode_attention",
+    summary="decode attention over the valid KV-cache slots only (cost follows the position, not max_len)",
+)

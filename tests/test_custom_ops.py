@@ -1,0 +1,227 @@
+"""The custom-op path (executor/custom_ops/) and `cann::decode_attention`, without a whole model.
+
+Why these checks: the kernel replaces attention for every decode step, so its numbers are held
+to torch's own scaled_dot_product_attention (not to our reference), on the shapes the models
+pass (GQA, batch rows at different positions, a query that is a transposed view, a cache that is
+a batch slice), and it must really skip the slots after a row's last valid one: there the cache
+holds NaN, which any read would carry into the output. The op-table layering, the config key,
+the one-line errors (no compiler, unknown name, no CUDA kernel, npugraph_ex) and the NPU kernel's
+arguments (against the recording doubles, which now implement actual_seq_lengths_kv) follow.
+Whole models against HF: tests/test_decode_attention_models.py; GE conversion:
+tests/test_custom_ops_ge.py. The C++ kernel is built once per machine (cache), loaded once here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tests.npu_doubles as nd
+from executor import custom_ops, ops
+from executor.backends import npu, npu_decode_attention
+from executor.backends.base import UnsupportedError
+from executor.config import load_config
+from executor.errors import RecipeError
+from executor.ops import reference
+from executor.platform import Platform, detect
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """The CPU kernel, built (first time on this machine) and loaded; returns the torch op."""
+    custom_ops.cpu_kernel(custom_ops.load("decode_attention"))
+    return torch.ops.cann.decode_attention
+
+
+def sdpa(q, k, v, mask, scale):
+    """torch's own attention with GQA expanded; its mask is True = attend."""
+    g = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(
+        q.float(), k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1), attn_mask=~mask, scale=scale
+    )
+
+
+def case(b=2, hq=4, hkv=2, s=1, t=40, d=32, positions=((5,), (23,)), dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, s, d, generator=g).to(dtype)
+    k, v = (torch.randn(b, hkv, t, d, generator=g).to(dtype) for _ in range(2))
+    pos = torch.tensor(positions).view(b, s)
+    mask = torch.arange(t).view(1, 1, 1, t) > pos.view(b, 1, s, 1)  # the models' decode mask
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("hq, hkv", [(4, 4), (4, 2), (6, 1)])
+def test_kernel_matches_sdpa_in_decode(kernel, hq, hkv):
+    q, k, v, mask = case(hq=hq, hkv=hkv)
+    out = kernel(q, k, v, mask, 0.17)
+    assert out.shape == q.shape and out.dtype == torch.float32 and out.is_contiguous()
+    torch.testing.assert_close(out, sdpa(q, k, v, mask, 0.17), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_several_query_rows_and_a_mask_with_holes(kernel):
+    q, k, v, mask = case(s=3, positions=((4, 5, 6), (30, 31, 32)))
+    mask = mask.clone()
+    mask[1, 0, :, 7:12] = True  # slots inside the valid range that must be skipped, not only cut off
+    torch.testing.assert_close(kernel(q, k, v, mask, 0.2), sdpa(q, k, v, mask, 0.2), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_half_precision_accumulates_in_fp32(kernel, dtype):
+    q, k, v, mask = case(dtype=dtype, t=300, positions=((150,), (299,)))
+    out = kernel(q, k, v, mask, 0.125)
+    assert out.dtype == dtype
+    exact = sdpa(q, k, v, mask, 0.125)  # fp32 on the same rounded inputs
+    assert (out.float() - exact).abs().max() < 1e-2  # only the output rounding (values are O(1))
+
+
+def test_kernel_never_reads_slots_after_the_last_valid_one(kernel):
+    q, k, v, mask = case(t=64, positions=((9,), (40,)))
+    for cache, row in ((k, 0), (v, 0), (k, 1), (v, 1)):
+        cache[row, :, 41:] = float("nan")  # beyond both rows' valid slots
+    k[0, :, 10:] = float("nan")
+    v[0, :, 10:] = float("nan")  # row 0's valid slots end at 9
+    out = kernel(q, k, v, mask, 0.2)
+    assert torch.isfinite(out).all()
+    for b, n in ((0, 10), (1, 41)):
+        want = sdpa(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], mask[b : b + 1, ..., :n], 0.2)
+        torch.testing.assert_close(out[b : b + 1], want, rtol=1e-5, atol=1e-5)
+    # control: the masked reference reads every slot, so the NaN reaches its output
+    assert torch.isnan(reference.attention(q, k, v, mask, 0.2)).any()
+
+
+def test_kernel_views_as_the_model_passes_them(kernel):
+    """q a transposed view (rotary of q.transpose(1, 2)); the cache a batch slice (prefill groups)."""
+    q, k, v, mask = case(b=3, s=2, positions=((3, 4), (12, 13), (30, 31)))  # S = 2: the view is strided
+    q_view = q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, (B, S, H, D) memory
+    assert not q_view.is_contiguous()
+    out = kernel(q_view[1:], k[1:], v[1:], mask[1:], 0.3)
+    torch.testing.assert_close(out, sdpa(q[1:], k[1:], v[1:], mask[1:], 0.3), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_fully_masked_row_is_nan_like_the_reference(kernel):
+    q, k, v, mask = case()
+    mask = mask.clone()
+    mask[0] = True
+    out, ref = kernel(q, k, v, mask, 0.2), reference.attention(q, k, v, mask, 0.2)
+    assert torch.isnan(out[0]).all() and torch.isnan(ref[0]).all() and torch.isfinite(out[1]).all()
+
+
+def test_fake_impl_traces_one_opaque_node(kernel):
+    q, k, v, mask = case()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    fn = torch.compile(lambda *a: kernel(*a, 0.2) * 2, backend=backend, fullgraph=True, dynamic=False)
+    torch.testing.assert_close(fn(q, k, v, mask), 2 * sdpa(q, k, v, mask, 0.2), rtol=1e-5, atol=1e-5)
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert len(graphs) == 1 and targets.count("cann.decode_attention") == 1, targets  # dynamo's packet target
+
+
+# --------------------------------------------------------------------------- the op table
+def test_layered_table_replaces_only_attention_and_keeps_prefill_on_the_base(kernel):
+    name = custom_ops.layer("reference", ["decode_attention"], custom_ops.cpu_kernel)
+    assert name == "reference+decode_attention"
+    impl, base = ops.implementations(name), ops.implementations("reference")
+    assert impl["attention"] == "executor.custom_ops.decode_attention.attention"
+    assert {k: v for k, v in impl.items() if k != "attention"} == {k: v for k, v in base.items() if k != "attention"}
+    q, k, v, mask = case(s=3, positions=((4, 5, 6), (7, 8, 9)))
+    with ops.using(name), torch.profiler.profile() as prof:
+        ops.attention(q[:, :, :1], k, v, mask[:, :, :1], 0.2)  # decode: the custom op
+        ops.attention(q, k, v, mask, 0.2)  # prefill (S = 3): the base table's attention
+    calls = [e for e in prof.events() if e.name == "cann::decode_attention"]
+    assert len(calls) == 1
+    assert custom_ops.layer("reference", [], custom_ops.cpu_kernel) == "reference"
+
+
+def test_unknown_or_repeated_custom_op_is_a_config_error_listing_the_available():
+    with pytest.raises(RecipeError, match=r"model_config.custom_ops: 'fused_rope' is not a custom op; available: .*"):
+        load_config(None, ["model_config.custom_ops=[fused_rope]"])
+    with pytest.raises(RecipeError, match="decode_attention is listed twice"):
+        load_config(None, ["model_config.custom_ops=[decode_attention, decode_attention]"])
+    assert "decode_attention" in custom_ops.available()
+    assert load_config(None, ["model_config.custom_ops=[decode_attention]"]).model_config.custom_ops == (
+        "decode_attention",
+    )
+
+
+def test_no_cuda_kernel_is_refused_naming_the_op():
+    with pytest.raises(RecipeError, match=r"custom op decode_attention has no cuda kernel .*cpu, npu"):
+        custom_ops.layer("reference", ["decode_attention"], custom_ops.installer("cuda"))
+
+
+@pytest.mark.parametrize("command", ["run", "compare"])
+def test_no_compiler_is_one_line_naming_the_op_and_the_compiler(tmp_path, qwen3_ckpt, command):
+    """A fresh kernel cache and CXX pointing at nothing: the pre-flight stops the run before it
+    builds the model, and sk_compare before its first side runs."""
+    env = dict(os.environ, CXX=str(tmp_path / "no" / "g++"), CANN_RECIPES_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "executor.cli", command, "--out", str(out)]
+    cmd += ["--set", f"model_config.model_path={qwen3_ckpt}", "--set", "model_config.custom_ops=[decode_attention]"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith("error: custom op cann::decode_attention: its CPU kernel is compiled on first use")
+    assert str(tmp_path / "no" / "g++") in proc.stderr and "model_config.custom_ops" in proc.stderr
+    assert not list((tmp_path / "ext").glob("*/*.so"))
+    assert not list(out.glob("**/metrics.json")) and not (out / "runs").exists()  # nothing ran (infer.log: the error)
+
+
+def test_preflight_refuses_a_custom_op_the_platform_cannot_run(qwen3_ckpt):
+    """What sk_compare / scope_search ask for every side before the first run: a custom op with no
+    kernel on the device, or not in the NPU exe_mode, stops there (no model, no weights, no build)."""
+    from models.qwen.models.runner_qwen import QwenRunner
+
+    base = [f"model_config.model_path={qwen3_ckpt}", "model_config.custom_ops=[decode_attention]"]
+    cuda = Platform("cuda", None, "a CUDA GPU", "stated by the test")
+    with pytest.raises(RecipeError, match=r"^custom op decode_attention has no cuda kernel \(it has: cpu, npu\)"):
+        QwenRunner.check_before_run(load_config(None, base), cuda)
+    a3 = Platform("npu", "A3", "Ascend910_9392", "stated by the test")
+    ex = load_config(None, [*base, "model_config.exe_mode=npugraph_ex"])
+    with pytest.raises(RecipeError, match=r"decode_attention cannot run in exe_mode npugraph_ex on an NPU"):
+        QwenRunner.check_before_run(ex, a3)
+    assert QwenRunner.check_before_run(load_config(None, base), detect("cpu")).plan.name  # CPU: runnable
+    assert custom_ops.unsupported(custom_ops.load("decode_attention"), "npu", "ge_graph") is None
+
+
+# --------------------------------------------------------------------------- the NPU half, against the doubles
+def test_npu_kernel_passes_the_valid_lengths_and_the_fia_reads_only_them():
+    q, k, v, mask = case(dtype=torch.bfloat16, t=48, positions=((6,), (30,)))
+    k[0, :, 7:], v[0, :, 7:] = float("nan"), float("nan")  # row 0 is valid up to slot 6
+    with nd.installed() as d:
+        out = npu_decode_attention.fused_attention(d.torch_npu, q, k, v, mask, 0.25)
+        (call,) = d.torch_npu.named("npu_fused_infer_attention_score")
+        # control: without the lengths the same call reads the NaN slots
+        unbounded = d.torch_npu.npu_fused_infer_attention_score(
+            q, k, v, atten_mask=mask, num_heads=4, num_key_value_heads=2, input_layout="BNSD", scale=0.25
+        )[0]
+    kw = call.kwargs
+    assert kw["actual_seq_lengths_kv"] == [7, 31] and kw["atten_mask"] is mask
+    assert (kw["input_layout"], kw["num_heads"], kw["num_key_value_heads"], kw["scale"]) == ("BNSD", 4, 2, 0.25)
+    assert torch.isfinite(out).all() and torch.isnan(unbounded[0]).any()
+    want = torch.cat([sdpa(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], mask[b : b + 1, ..., :n], 0.25)
+                      for b, n in ((0, 7), (1, 31))])  # fmt: skip
+    assert (out.float() - want).abs().max() < 2e-2
+
+
+def test_kv_lengths_is_last_unmasked_slot_plus_one():
+    mask = torch.ones(3, 1, 2, 8, dtype=torch.bool)
+    mask[0, 0, 0, :3] = False
+    mask[1, 0, 1, 5] = False  # a hole-y row: the LAST unmasked slot counts
+    assert npu_decode_attention.kv_lengths(mask).tolist() == [3, 6, 0]
+
+
+def test_npugraph_ex_is_refused_for_decode_attention():
+    install = npu.custom_op_installer("npugraph_ex")
+    with pytest.raises(UnsupportedError, match=r"decode_attention cannot run in exe_mode npugraph_ex.*eager, ge_graph"):
+        install(custom_ops.load("decode_attention"))
