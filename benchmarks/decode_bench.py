@@ -1,23 +1,31 @@
-"""Decode benchmark: HF transformers eager generate (the peer) vs our eager, ge_graph and
-ge_graph + SuperKernel for every plan, in one process, on the same checkpoint.
+"""Decode benchmark: transformers (eager generate, and static cache + torch.compile) vs our
+eager, ge_graph and ge_graph + SuperKernel for every plan, in one process, on the same checkpoint.
 
 Why one process and one checkpoint: the comparison must differ only in execution mode.
 A random-weight checkpoint of a named size (configs/model_sizes.yaml) is written with
-transformers' save_pretrained, then loaded by both sides. Prints a table (median decode
-ms/step over >= --steps steps after warm-up, tokens/s, ratio to ge_graph, compile seconds)
-and the bandwidth floor: weight bytes / measured read bandwidth (copy rate printed too).
+transformers' save_pretrained, then loaded by every side in --dtype. For every --batch it prints
+a table (median decode ms/step over --steps steps after warm-up, tokens/s, ratio to ge_graph,
+ratio to the roofline, ratios to both transformers peers, compile seconds, greedy tokens against
+our eager run) and the roofline terms it used:
+
+  roofline = max(bytes read per step / measured read bandwidth, FLOPs per step / measured matmul rate)
+
+bytes = weights (MoE: the router and the experts a batch is expected to touch) + the KV cache
+that is valid at the timed positions; FLOPs = 2 x parameters used per token x batch + attention.
+Both rates are measured by this script on this machine, in --dtype.
 
 With --world-size N > 1 the same modes run on N ranks (torchrun, executor.parallel.launch;
 layout `tp`: attention, MLP and lm_head tensor parallel over all ranks, MoE experts split
 by moe TP; `dp-ep`: attention data parallel, experts split by expert parallel), without the
-transformers peer, and the table adds the collectives of one decode step and their share of
+transformers peers, and the table adds the collectives of one decode step and their share of
 it: each collective the step issues is timed alone (same op, group and size, both ranks
 ready, median of 200), summed, and divided by the step time.
 
   python benchmarks/decode_bench.py --size bench-overhead
-  python benchmarks/decode_bench.py --size qwen3-0.6b --plans decoder --steps 50
-  python benchmarks/decode_bench.py --model qwen3_moe --size moe-debugmodel
   python benchmarks/decode_bench.py --size bench-overhead --world-size 2 --plans decoder
+  python benchmarks/decode_bench.py --size qwen3-0.6b --plans decoder --dtype bfloat16 --batch 1,4,16,64 --plot b.png
+  python benchmarks/decode_bench.py --size qwen3-0.6b --plans decoder --prompt-len 2048 --max-len 16384
+  python benchmarks/decode_bench.py --model qwen3_moe --size moe-debugmodel
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,14 +45,23 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from executor.arch import MODEL_SIZES, arch_from_dict  # noqa: E402
+from executor.arch import MODEL_SIZES, ModelArch, arch_from_dict  # noqa: E402
 from executor.config import load_config  # noqa: E402
 from executor.parallel import launch, runtime  # noqa: E402
 from executor.platform import detect  # noqa: E402
 from executor.registry import default_config, runner_class  # noqa: E402
 from executor.tokenizer import BUILTIN_TOKENIZER  # noqa: E402
 
-PROMPT_LEN = 16
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Row:
+    name: str
+    ms: float  # median decode ms/step
+    compile_s: float | None
+    tokens: list[list[int]]  # greedy tokens per row
+    calls: list = field(default_factory=list)  # with several ranks: the collectives of one decode step
 
 
 def make_checkpoint(cfg: dict, path: Path, seed: int) -> None:
@@ -81,27 +99,76 @@ def memory_bandwidth_gbs(nbytes: int = 1 << 29) -> tuple[float, float]:
     return nbytes / best(src.sum) / 1e9, nbytes / best(lambda: dst.copy_(src)) / 1e9
 
 
-def hf_decode_ms(path: Path, prompt: list[int], steps: int) -> float:
-    """Median per-token time of transformers' own generate (timestamps from a stopping criterion)."""
+def matmul_tflops(dtype: torch.dtype, n: int = 1536) -> float:
+    """Dense matmul rate in TFLOP/s for `dtype` (an n x n x n product, best of 5): the compute
+    side of the roofline, what a large-batch or prefill step can at best reach on this machine."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b  # warm-up (oneDNN primitive creation)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / min(times) / 1e12
+
+
+def step_cost(arch: ModelArch, dtype_bytes: int, batch: int, context: int) -> tuple[float, float]:
+    """(bytes read, FLOPs) of one decode step at `context` valid cached tokens per row."""
+    weights = arch.weight_bytes(dtype_bytes)
+    params_per_token = arch.weight_bytes(1)
+    if arch.num_experts:  # a batch touches the union of its rows' experts, not k per row
+        e, k = arch.num_experts, arch.num_experts_per_tok
+        touched = e * (1 - (1 - k / e) ** batch)
+        expert = 3 * arch.hidden_size * arch.moe_intermediate_size * dtype_bytes
+        moe_layers = sum(arch.is_moe_layer(i) for i in range(arch.num_layers))
+        weights += moe_layers * expert * (touched - k)
+    kv = batch * context * arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * dtype_bytes
+    attn_flops = batch * arch.num_layers * 4 * arch.num_heads * arch.head_dim * context
+    return weights + kv, 2 * params_per_token * batch + attn_flops
+
+
+def _stamps():
+    """A stopping criterion recording when each generated token is ready (never stops)."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    stamps: list[float] = []
-
     class Stamp(transformers.StoppingCriteria):
+        times: list[float] = []
+
         def __call__(self, input_ids, scores, **kwargs):
-            stamps.append(time.perf_counter())
+            self.times.append(time.perf_counter())
             return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
-    ids = torch.tensor([prompt])
+    Stamp.times = []
+    return Stamp()
+
+
+def hf_decode(path: Path, prompts: list[list[int]], steps: int, dtype: torch.dtype, compiled: bool) -> Row:
+    """transformers' own generate: eager with its default (dynamic) cache, or what a user tries
+    first for graph-mode decode: the static cache with the forward under torch.compile. Median
+    per-token time from the stopping criterion's timestamps."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    ids = torch.tensor(prompts)
     kwargs = dict(do_sample=False, min_new_tokens=steps + 1, max_new_tokens=steps + 1, pad_token_id=0)
+    if compiled:
+        cc = transformers.CompileConfig(fullgraph=True, mode="default")
+        cc._compile_all_devices = True  # transformers compiles only on accelerators unless told
+        kwargs |= dict(cache_implementation="static", compile_config=cc)
     with torch.no_grad():
-        model.generate(ids, **kwargs)  # warm-up
-        stamps.clear()
-        model.generate(ids, stopping_criteria=transformers.StoppingCriteriaList([Stamp()]), **kwargs)
-    deltas = [(b - a) * 1e3 for a, b in itertools.pairwise(stamps)]
+        t0 = time.perf_counter()
+        model.generate(ids, **kwargs)  # warm-up (and compile)
+        compile_s = time.perf_counter() - t0 if compiled else None
+        if compiled:
+            model.generate(ids, **kwargs)  # a second call: any recompile for the new cache happens here
+        stamp = _stamps()
+        out = model.generate(ids, stopping_criteria=transformers.StoppingCriteriaList([stamp]), **kwargs)
+    deltas = [(b - a) * 1e3 for a, b in itertools.pairwise(stamp.times)]
+    tokens = out[:, ids.shape[1] :].tolist()
     del model
-    return statistics.median(deltas)
+    torch._dynamo.reset()
+    name = "transformers static cache + torch.compile" if compiled else "transformers eager generate"
+    return Row(name, statistics.median(deltas), compile_s, tokens)
 
 
 LAYOUTS = {  # --layout -> parallel_config for N ranks
@@ -111,39 +178,36 @@ LAYOUTS = {  # --layout -> parallel_config for N ranks
 
 
 def our_decode(
-    recipe: str,
-    path: Path,
-    exe_mode: str,
-    plan: str | None,
-    prompt: list[int],
-    steps: int,
-    parallel: list[str] = (),
-) -> tuple[float, float, list[int], list[tuple[str, str, int]]]:
+    recipe: str, path: Path, exe_mode: str, plan: str | None, prompts: list[list[int]], steps: int, dtype: str,
+    max_len: int, parallel: list[str] = (),
+) -> Row:  # fmt: skip
     overrides = [
         f"model_config.model_path={path}",
         "model_config.with_ckpt=true",
         f"model_config.exe_mode={exe_mode}",
+        f"model_config.dtype={dtype}",
         "model_config.enable_cache_compile=false",  # every mode compiles cold, so compile_s compares
         f"model_config.enable_superkernel={'true' if plan else 'false'}",
+        f"scheduler_config.batch_size={len(prompts)}",
         f"scheduler_config.max_new_tokens={steps + 1}",
-        f"data_config.input_truncated_len={PROMPT_LEN}",
+        f"data_config.input_truncated_len={max_len - steps - 1}",
         f"model_config.tokenizer_path={BUILTIN_TOKENIZER}",
     ]  # ids are given; text is not used
     if plan:
         overrides.append(f"model_config.superkernel.plan={plan}")
     overrides += [f"parallel_config.{p}" for p in parallel]
-    if "attn_tp_size=1" in parallel:  # attention data parallel: one row per rank
-        overrides.append(f"scheduler_config.batch_size={parallel[0].split('=')[1]}")
     cfg = load_config(default_config(recipe), overrides)
     runner = runner_class(recipe)(cfg, detect("cpu"), None)
-    rows = [prompt] * cfg.scheduler_config.batch_size  # one row per attention data parallel group
     t0 = time.perf_counter()
-    runner.generate(rows, 2)  # warm-up + compile
+    runner.generate(prompts, 2)  # warm-up + compile
     compile_s = time.perf_counter() - t0
-    runner.generate(rows, steps + 1)  # warm caches
-    gen = runner.generate(rows, steps + 1)
+    runner.generate(prompts, steps + 1)  # warm caches
+    gen = runner.generate(prompts, steps + 1)
     calls = list(runner.parallel.log.calls)  # the collectives of one decode step
-    return statistics.median(gen.decode_ms), compile_s, gen.token_ids[0], calls
+    del runner
+    torch._dynamo.reset()
+    name = f"ours {exe_mode}" + (f" + SK {plan}" if plan else "")
+    return Row(name, statistics.median(gen.decode_ms), None if exe_mode == "eager" else compile_s, gen.token_ids, calls)
 
 
 def collective_ms(calls: list[tuple[str, str, int]], iters: int = 200) -> float:
@@ -172,22 +236,40 @@ def collective_ms(calls: list[tuple[str, str, int]], iters: int = 200) -> float:
     return total
 
 
+def token_check(tokens: list[list[int]], ref: list[list[int]]) -> str:
+    """Whether greedy tokens equal our eager run's, else the first step where a row departs."""
+    if tokens == ref:
+        return "same tokens"
+    first = min(next((i for i, (a, b) in enumerate(zip(r, t)) if a != b), len(r)) for r, t in zip(ref, tokens))
+    return f"differs from step {first}"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen", help="recipe under models/ (qwen, qwen3_moe)")
     p.add_argument("--size", default="bench-overhead", help="named size in configs/model_sizes.yaml")
     p.add_argument("--steps", type=int, default=64, help="decode steps timed per mode (>= 50 recommended)")
     p.add_argument("--plans", default="all", help="comma list of SuperKernel plans, 'all' or 'none'")
-    p.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="every side's dtype (default float32)")
+    p.add_argument("--batch", default="1", help="batch size, or a comma list (one table each), e.g. 1,4,16,64")
+    p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per row: the cached context")
+    p.add_argument("--max-len", type=int, help="static KV-cache slots (default: prompt + generated tokens)")
+    p.add_argument("--no-hf", action="store_true", help="skip both transformers peers")
+    p.add_argument("--no-compiled-peer", action="store_true", help="skip transformers static cache + torch.compile")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
-    p.add_argument(
-        "--layers", type=int, default=0, help="override num_hidden_layers (shrink a big shape to fit memory)"
-    )
-    p.add_argument("--world-size", type=int, default=1, help="ranks (torchrun); > 1 skips the transformers peer")
+    p.add_argument("--plot", help="PNG of tokens/s per batch size and mode, with the roofline")
+    p.add_argument("--world-size", type=int, default=1, help="ranks (torchrun); > 1 skips the transformers peers")
     p.add_argument("--layout", choices=list(LAYOUTS), default="tp", help="with --world-size > 1 (default: tp)")
     p.add_argument("--checkpoint", help=argparse.SUPPRESS)  # set by the launching process for its ranks
     p.add_argument("--log-dir", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--layers", type=int, default=0, help="override num_hidden_layers (shrink a big shape to fit memory)"
+    )
     args = p.parse_args(argv)
+    batches = [int(b) for b in args.batch.split(",")]
+    max_len = args.max_len or args.prompt_len + args.steps + 1
+    if min(batches) < 1 or args.steps < 2 or max_len < args.prompt_len + args.steps + 1:
+        p.error("--batch >= 1, --steps >= 2 and --max-len >= --prompt-len + --steps + 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -195,49 +277,56 @@ def main(argv=None) -> int:
     if args.layers:
         cfg["num_hidden_layers"] = args.layers
     arch = arch_from_dict(cfg, args.size)
-    prompt = [(7 * i + 3) % arch.vocab_size for i in range(PROMPT_LEN)]
+    dtype, dtype_bytes = DTYPES[args.dtype], DTYPES[args.dtype].itemsize
     platform = detect("cpu")
     if args.world_size > 1:
-        return bench_ranks(args, list(sys.argv[1:] if argv is None else argv), cfg, arch, prompt, platform)
+        return bench_ranks(args, list(sys.argv[1:] if argv is None else argv), cfg, arch, platform, max_len)
     print(
-        f"# decode_bench: recipe {args.model}, size {args.size} ({arch.num_layers} layers), "
-        f"{args.steps} steps, batch 1, fp32, "
+        f"# decode_bench: recipe {args.model}, size {args.size} ({arch.num_layers} layers), {args.steps} steps, "
+        f"batch {args.batch}, {args.dtype}, prompt {args.prompt_len} tokens, max_len {max_len}, "
         f"{platform.describe()}, torch {torch.__version__}, {torch.get_num_threads()} threads",
         flush=True,
     )
-    rows = []
+    read_bw, copy_bw = memory_bandwidth_gbs()
+    tflops = matmul_tflops(dtype)
+    print(
+        f"# machine: read bandwidth {read_bw:.1f} GB/s (copy {copy_bw:.1f} GB/s), {args.dtype} matmul "
+        f"{tflops:.2f} TFLOP/s",
+        flush=True,
+    )
+    plans = _plans(args, arch)
+    summary: dict[int, tuple[list[Row], float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "ckpt"
         make_checkpoint(cfg, path, seed=0)
-        if not args.no_hf:
-            rows.append(("transformers eager generate", hf_decode_ms(path, prompt, args.steps), None, None))
-            print(f"  measured {rows[-1][0]}", flush=True)
-        modes = [("eager", None), ("ge_graph", None)] + [("ge_graph", pl) for pl in _plans(args, arch)]
-        tokens_ref = None
-        for exe_mode, plan in modes:
-            ms, compile_s, tokens, _ = our_decode(args.model, path, exe_mode, plan, prompt, args.steps)
-            name = f"ours {exe_mode}" + (f" + SK {plan}" if plan else "")
-            tokens_ref = tokens_ref or tokens
-            same = "same tokens" if tokens == tokens_ref else "TOKENS DIFFER FROM EAGER"
-            rows.append((name, ms, compile_s if exe_mode != "eager" else None, same))
-            print(f"  measured {name} ({same})", flush=True)
-    graph_ms = next(ms for name, ms, _, _ in rows if name == "ours ge_graph")
-    read_bw, copy_bw = memory_bandwidth_gbs()
-    weight_bytes = arch.weight_bytes(4)
-    floor_ms = weight_bytes / (read_bw * 1e9) * 1e3
-    print()
-    print("| mode | decode ms/step (median) | tokens/s | vs ge_graph | x floor | compile s | check |")
-    print("|---|---|---|---|---|---|---|")
-    for name, ms, compile_s, same in rows:
-        print(
-            f"| {name} | {ms:.3f} | {1e3 / ms:.1f} | {graph_ms / ms:.2f}x | {ms / floor_ms:.2f} | "
-            f"{'' if compile_s is None else f'{compile_s:.1f}'} | {same or ''} |"
-        )
-    print(
-        f"\nweights read per step: {weight_bytes / 1e6:.1f} MB fp32; read bandwidth {read_bw:.1f} GB/s "
-        f"-> bandwidth floor {floor_ms:.3f} ms/step (copy rate {copy_bw:.1f} GB/s copied, "
-        f"weight bytes / copy rate = {weight_bytes / (copy_bw * 1e9) * 1e3:.3f} ms)"
-    )
+        for batch in batches:
+            prompts = [[(7 * i + 3 + 11 * r) % arch.vocab_size for i in range(args.prompt_len)] for r in range(batch)]
+            rows = []
+            for exe_mode, plan in [("eager", None), ("ge_graph", None)] + [("ge_graph", pl) for pl in plans]:
+                rows.append(our_decode(args.model, path, exe_mode, plan, prompts, args.steps, args.dtype, max_len))
+                print(f"  batch {batch}: measured {rows[-1].name}", flush=True)
+            if not args.no_hf:
+                for compiled in (False,) if args.no_compiled_peer else (False, True):
+                    rows.append(hf_decode(path, prompts, args.steps, dtype, compiled))
+                    print(f"  batch {batch}: measured {rows[-1].name}", flush=True)
+            # the timed steps see prompt_len + 1 ... prompt_len + steps valid cached tokens
+            nbytes, flops = step_cost(arch, dtype_bytes, batch, args.prompt_len + args.steps // 2)
+            bw_ms, compute_ms = nbytes / (read_bw * 1e9) * 1e3, flops / (tflops * 1e12) * 1e3
+            roof_ms = max(bw_ms, compute_ms)
+            summary[batch] = (rows, roof_ms)
+            print_table(rows, batch, roof_ms)
+            print(
+                f"\nroofline, batch {batch}: {nbytes / 1e6:.1f} MB read per step ({args.dtype} weights + valid KV) / "
+                f"{read_bw:.1f} GB/s = {bw_ms:.3f} ms; {flops / 1e9:.2f} GFLOP / {tflops:.2f} TFLOP/s = "
+                f"{compute_ms:.3f} ms -> {roof_ms:.3f} ms/step ({'bandwidth' if bw_ms >= compute_ms else 'compute'}-"
+                "bound)\n",
+                flush=True,
+            )
+    if len(batches) > 1:
+        print_batch_summary(summary)
+    if args.plot:
+        plot(Path(args.plot), summary, f"{args.size}, {args.dtype}, {platform.describe()}")
+        print(f"plot: {args.plot}")
     return 0
 
 
@@ -247,7 +336,7 @@ def _plans(args, arch) -> list[str]:
     )
 
 
-def bench_ranks(args, argv: list[str], cfg: dict, arch, prompt: list[int], platform) -> int:
+def bench_ranks(args, argv: list[str], cfg: dict, arch, platform, max_len: int) -> int:
     """--world-size N: here, write the checkpoint and start N ranks running this script; in a
     rank, time every mode (each rank holds its share of the weights) and let rank 0 print."""
     if not runtime.under_torchrun():
@@ -261,6 +350,7 @@ def bench_ranks(args, argv: list[str], cfg: dict, arch, prompt: list[int], platf
     n = args.world_size
     parallel = [f"world_size={n}", *LAYOUTS[args.layout](n)]
     batch = n if args.layout == "dp-ep" else 1  # one row per attention data parallel group
+    prompts = [[(7 * i + 3) % arch.vocab_size for i in range(args.prompt_len)]] * batch
 
     def say(text: str) -> None:
         if console is not None:
@@ -268,15 +358,16 @@ def bench_ranks(args, argv: list[str], cfg: dict, arch, prompt: list[int], platf
 
     say(
         f"# decode_bench: recipe {args.model}, size {args.size} ({arch.num_layers} layers), {args.steps} steps, "
-        f"{n} ranks ({args.layout}: {', '.join(parallel[1:])}), batch {batch}, fp32, {platform.describe()}, "
+        f"{n} ranks ({args.layout}: {', '.join(parallel[1:])}), batch {batch}, {args.dtype}, {platform.describe()}, "
         f"torch {torch.__version__}, {torch.get_num_threads()} thread(s) per rank"
     )
     rows, tokens_ref = [], None
     modes = [("eager", None), ("ge_graph", None)] + [("ge_graph", pl) for pl in _plans(args, arch)]
     for exe_mode, plan in modes:
-        ms, compile_s, tokens, calls = our_decode(
-            args.model, Path(args.checkpoint), exe_mode, plan, prompt, args.steps, parallel
+        row = our_decode(
+            args.model, Path(args.checkpoint), exe_mode, plan, prompts, args.steps, args.dtype, max_len, parallel
         )
+        ms, compile_s, tokens, calls = row.ms, row.compile_s, row.tokens, row.calls
         coll = collective_ms(calls)
         name = f"ours {exe_mode}" + (f" + SK {plan}" if plan else "")
         tokens_ref = tokens_ref or tokens
@@ -294,6 +385,54 @@ def bench_ranks(args, argv: list[str], cfg: dict, arch, prompt: list[int], platf
             f"{coll / ms:.0%} | {'' if compile_s is None else f'{compile_s:.1f}'} | {same} |"
         )
     return 0
+
+
+def print_table(rows: list[Row], batch: int, roof_ms: float) -> None:
+    graph_ms = next(r.ms for r in rows if r.name == "ours ge_graph")
+    peers = {r.name: r.ms for r in rows if r.name.startswith("transformers")}
+    ref = rows[0].tokens  # ours eager
+    head = ["mode", "decode ms/step (median)", "tokens/s", "vs ge_graph", "x roofline"]
+    head += [f"vs {n}" for n in peers] + ["compile s", "greedy tokens vs ours eager"]
+    print(f"\n### batch {batch}\n\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for r in rows:
+        cells = [r.name, f"{r.ms:.3f}", f"{batch * 1e3 / r.ms:.1f}", f"{graph_ms / r.ms:.2f}x", f"{r.ms / roof_ms:.2f}"]
+        cells += [f"{ms / r.ms:.2f}x" for ms in peers.values()]
+        cells += ["" if r.compile_s is None else f"{r.compile_s:.1f}", token_check(r.tokens, ref)]
+        print("| " + " | ".join(cells) + " |")
+
+
+def print_batch_summary(summary: dict[int, tuple[list[Row], float]]) -> None:
+    names = [r.name for r in next(iter(summary.values()))[0]]
+    print("\n### tokens/s per batch size (x roofline in brackets)\n")
+    print("| mode | " + " | ".join(f"batch {b}" for b in summary) + " |\n|---|" + "---|" * len(summary))
+    for n in names:
+        cells = []
+        for b, (rows, roof) in summary.items():
+            r = next(r for r in rows if r.name == n)
+            cells.append(f"{b * 1e3 / r.ms:.1f} ({r.ms / roof:.2f})")
+        print(f"| {n} | " + " | ".join(cells) + " |")
+    print("| roofline | " + " | ".join(f"{b * 1e3 / roof:.1f}" for b, (_, roof) in summary.items()) + " |")
+
+
+def plot(path: Path, summary: dict[int, tuple[list[Row], float]], title: str) -> None:
+    """tokens/s against batch size per mode (log-log), the roofline dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = list(summary)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for n in [r.name for r in summary[batches[0]][0]]:
+        ax.plot(batches, [b * 1e3 / next(r for r in summary[b][0] if r.name == n).ms for b in batches], "o-", label=n)
+    ax.plot(batches, [b * 1e3 / summary[b][1] for b in batches], "k--", label="roofline")
+    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="decode tokens/s", title=title)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

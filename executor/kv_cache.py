@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from executor import ops
+
 
 class KVCache:
     def __init__(
@@ -29,20 +31,22 @@ class KVCache:
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, Hkv, S, D) at `positions` (B, S); return the full (B, Hkv, T, D) caches."""
-        b, h, s, d = k.shape
-        index = positions.view(b, 1, s, 1).expand(b, h, s, d)
-        self.k[layer].scatter_(2, index, k)
-        self.v[layer].scatter_(2, index, v)
+        """Write k, v (B, Hkv, S, D) at `positions` (B, S); return the full (B, Hkv, T, D) caches.
+        The write is an op (ops.kv_update): how to update a graph input in place is backend-specific."""
+        ops.kv_update(self.k[layer], k, positions)
+        ops.kv_update(self.v[layer], v, positions)
         return self.k[layer], self.v[layer]
 
-    def rows(self, start: int, stop: int) -> KVCache:
-        """A cache over rows [start, stop) that shares this one's storage (views): prefill of a
-        group of rows writes straight into the full cache."""
+    def rows(self, start: int, stop: int, slots: int | None = None) -> KVCache:
+        """A cache over rows [start, stop) (and only the first `slots` slots) that shares this
+        one's storage (views): prefill of a group of rows writes straight into the full cache.
+        Prefill starts at slot 0, so its S tokens need S slots: attending over all max_len slots
+        would cost S x max_len instead of S x S."""
+        slots = self.max_len if slots is None else slots
         view = KVCache.__new__(KVCache)
-        view.k = [t[start:stop] for t in self.k]
-        view.v = [t[start:stop] for t in self.v]
-        view.max_len = self.max_len
+        view.k = [t[start:stop, :, :slots] for t in self.k]
+        view.v = [t[start:stop, :, :slots] for t in self.v]
+        view.max_len = slots
         return view
 
     def nbytes(self) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import os
 import resource
 import statistics
 import sys
@@ -240,7 +241,8 @@ class ModelRunner:
         for i, p in enumerate(rows):
             ids[i, : len(p)] = torch.tensor(p)
         positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
-        hidden = self.model(ids, positions, self.cache.rows(start, stop), scopes or self.prefill_scopes)
+        cache = self.cache.rows(start, stop, ids.shape[1])  # the prompt's slots only
+        hidden = self.model(ids, positions, cache, scopes or self.prefill_scopes)
         return self.model.logits(hidden[torch.arange(len(rows)), lengths - 1])  # (b, V)
 
     def decode_one(self, token: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -425,6 +427,8 @@ class ModelRunner:
             "platform_reason": self.platform.reason,
             "versions": software_versions(),
             "torch_version": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "libgomp default"),  # see executor/__init__.py
             "exe_mode": mc.exe_mode,
             "backend": report.backend,
             "dtype": self.dtype_name,  # resolved (config may say auto)

@@ -8,6 +8,7 @@ the NPU kernels and the CPU/CUDA paths are both held to.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,3 +151,52 @@ def test_ops_interface_rejects_unknown_names():
     with pytest.raises(ValueError, match="not registered"), ops.using("nope"):
         pass
     assert ops.active() == "reference"
+
+
+def test_kv_update_writes_each_row_at_its_own_positions_in_place():
+    cache = torch.zeros(2, 3, 10, 4)
+    new = torch.randn(2, 3, 2, 4)
+    positions = torch.tensor([[4, 5], [7, 8]])  # rows of different lengths
+    out = reference.kv_update(cache, new, positions)
+    assert out.data_ptr() == cache.data_ptr()
+    assert torch.equal(cache[0, :, 4:6], new[0]) and torch.equal(cache[1, :, 7:9], new[1])
+    cache[0, :, 4:6] = 0
+    cache[1, :, 7:9] = 0
+    assert not cache.any()  # nothing else written
+
+
+def test_kv_update_stays_in_place_in_a_compiled_step():
+    """The reason kv_update is index_put_: Inductor keeps it in place on a graph input (a scatter_
+    there became a copy of the whole cache per step). Checked on the generated code: no buffer of
+    the cache's size is allocated."""
+    from torch._inductor.utils import run_and_get_code
+
+    cache = torch.zeros(1, 2, 512, 8)
+
+    def step(cache, new, positions):
+        return reference.kv_update(cache, new, positions).sum()
+
+    _, code = run_and_get_code(torch.compile(step, fullgraph=True), cache, torch.ones(1, 2, 1, 8), torch.tensor([[3]]))
+    assert cache[0, :, 3].eq(1).all() and cache.sum() == 16
+    assert "empty_strided_cpu((1, 2, 512, 8)" not in "".join(code)
+
+
+def test_openmp_threads_sleep_by_default(tmp_path):
+    """executor sets OMP_WAIT_POLICY=PASSIVE before torch loads (benchmarks/load_bench.py: spinning
+    threads made decode 300x slower next to a busy neighbour), keeps the user's choice, and
+    CANN_RECIPES_OMP_DEFAULTS=0 leaves the environment alone."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, executor, torch; print(os.environ.get('OMP_WAIT_POLICY', '-'))"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "CANN_RECIPES_OMP_DEFAULTS")}
+    root = str(Path(__file__).resolve().parent.parent)
+
+    def policy(**extra) -> str:
+        run = subprocess.run([sys.executable, "-c", code], env=env | extra, cwd=root, capture_output=True, text=True)
+        return run.stdout.strip()
+
+    assert policy() == "PASSIVE"
+    assert policy(OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"
+    assert policy(CANN_RECIPES_OMP_DEFAULTS="0") == "-"

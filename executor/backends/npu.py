@@ -133,9 +133,17 @@ def register_ops() -> None:
             [x], [weights], group_list=counts, group_type=0, group_list_type=1, split_item=3
         )[0]
 
+    def kv_update(cache, new, positions):
+        # GE converts aten.scatter_ (ScatterElements over the whole cache, mapped back onto the
+        # input by torchair); aten.index_put, the reference's in-place write, has no converter.
+        # Upstream writes with torch_npu.scatter_update_ (in place): tests/data/ascend_facts/FINDINGS.md 4.
+        b, h, s, d = new.shape
+        return cache.scatter_(2, positions.view(b, 1, s, 1).expand(b, h, s, d), new)
+
     ops.register(
         "npu",
         {
+            "kv_update": kv_update,
             "rms_norm": rms_norm,
             "add_rms_norm": add_rms_norm,
             "swiglu": swiglu,

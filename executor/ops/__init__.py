@@ -23,6 +23,7 @@ OP_NAMES = (
     "moe_gating_top_k_softmax",
     "moe_init_routing",
     "grouped_matmul",
+    "kv_update",
 )
 
 _TABLES: dict[str, dict[str, Callable]] = {
@@ -100,6 +101,10 @@ def table(name: str) -> dict[str, Callable]:
 
 def rms_norm(x, weight, eps):
     return _active["rms_norm"](x, weight, eps)
+
+
+def kv_update(cache, new, positions):
+    return _active["kv_update"](cache, new, positions)
 
 
 def add_rms_norm(x, residual, weight, eps):

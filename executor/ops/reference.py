@@ -18,6 +18,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * y.to(x.dtype)
 
 
+def kv_update(cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Write `new` (B, Hkv, S, D) into the static cache (B, Hkv, T, D) at `positions` (B, S), in
+    place; returns the cache.
+
+    Why index_put_ and not scatter_: in a compiled step the cache is a graph input, and Inductor
+    keeps an index_put_ in place but turns a scatter_ on it into a copy of the whole cache that is
+    written back after the step, so every decode step paid for max_len, not for the tokens it
+    wrote (tools/op_analysis.py found it). The NPU table keeps a scatter (torchair has no GE
+    converter for aten.index_put)."""
+    b, h, s, _ = new.shape
+    rows = torch.arange(b, device=new.device).view(b, 1, 1)
+    heads = torch.arange(h, device=new.device).view(1, h, 1)
+    return cache.index_put_((rows, heads, positions.view(b, 1, s)), new)  # indices broadcast to (B, Hkv, S)
+
+
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

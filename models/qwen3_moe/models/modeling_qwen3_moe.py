@@ -36,17 +36,20 @@ class SparseMoeBlock(nn.Module):
 
     With expert parallelism the tensors hold this rank's E_local experts (and its slice of each
     expert's intermediate dimension); `self.experts` (ExpertShard) restricts the routing to them.
-    Three formulations of the same function, picked by a *static* shape test (token count and
-    query length are Python ints under torch.compile, so the choice never recompiles):
-    - gathered (N*k <= E_local, i.e. decode at small batch): gather only the k chosen experts'
+    Three formulations of the same function. Traced (the compiled decode step), the choice is a
+    *static* shape test (token count and query length are Python ints under torch.compile, so it
+    never recompiles); run eagerly (eager mode, prefill), routing-dependent shapes cost nothing
+    and the grouped one always wins, because it reads each chosen expert's weights in place:
+    - gathered (traced, N*k <= E_local, i.e. decode at small batch): gather only the k chosen experts'
       weights per token and run batched mat-vecs. Static shapes, so the compiled decode step
-      stays one graph, and it reads k experts, not E: what makes batch-1 decode fast.
-    - dense (S == 1 and N*k > E: decode at large batch): every expert on every token, weighted
+      stays one graph, and it reads k experts, not E: what makes batch-1 decode fast. Inductor
+      fuses the gather into the mat-vec; eagerly it would first copy N*k experts' weights.
+    - dense (traced, N*k > E: decode at large batch): every expert on every token, weighted
       by a (N, E) combine matrix that is zero off the top-k. Still static shapes; it reads
       each expert once, which is less memory traffic than gathering N*k > E expert copies.
-    - grouped (S > 1, prefill): ops.moe_init_routing sorts the (token, expert) pairs by expert
-      and ops.grouped_matmul runs one matmul per expert. Its shapes depend on the routing, so
-      it runs only in the eager prefill, never in the compiled decode step.
+    - grouped (eager, or S > 1): ops.moe_init_routing sorts the (token, expert) pairs by expert
+      and ops.grouped_matmul runs one matmul per expert hit, on views of its weights. Its shapes
+      depend on the routing, so it never runs inside the compiled decode step.
     """
 
     def __init__(self, arch: ModelArch, parallel: Parallel = SINGLE_DEVICE):
@@ -75,12 +78,12 @@ class SparseMoeBlock(nn.Module):
         b, s, h = x.shape
         flat = x.reshape(b * s, h)  # (N, H)
         weights, idx = self.route(flat)
-        if flat.shape[0] * self.top_k <= self.experts.num_local:
-            out = self._gathered(flat, weights, idx)
-        elif s == 1:
-            out = self._dense(flat, weights, idx)
-        else:
+        if s > 1 or not torch.compiler.is_compiling():
             out = self._grouped(flat, weights, idx)
+        elif flat.shape[0] * self.top_k <= self.experts.num_local:
+            out = self._gathered(flat, weights, idx)
+        else:
+            out = self._dense(flat, weights, idx)
         return self.experts.combine(out.view(b, s, h))  # summed over the ranks' experts, this rank's rows
 
     @staticmethod

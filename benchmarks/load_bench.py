@@ -1,0 +1,162 @@
+"""Decode under load: step times idle and with a neighbour process running PyTorch (OpenMP)
+matmuls on the same cores, for each OpenMP wait policy.
+
+Why: on a shared host the decode step's OpenMP threads meet at a barrier after every parallel
+region. With libgomp's default policy a waiting thread spins for a while before it sleeps; when
+a neighbour holds the cores, the thread being waited for is not running, and the spinners burn
+the time slices it needs. A compiled step has many small parallel regions, so it suffers most.
+The wait policy is read once, when libgomp loads, so each policy runs in its own process.
+
+  python benchmarks/load_bench.py                          # bench-overhead size, 3 modes x 3 policies
+  python benchmarks/load_bench.py --size qwen3-0.6b --modes ge_graph,decoder --steps 24
+
+Prints, per policy and mode: median and p90 decode ms/step idle and under load, the loaded/idle
+ratio, and SK decoder against ge_graph under load. The project's default (executor/__init__.py)
+is the `passive` row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+POLICIES = {  # name -> environment for the measured process (libgomp reads it at load)
+    "gomp default": {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": ""},
+    "active": {"OMP_WAIT_POLICY": "ACTIVE"},
+    "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+}
+NEIGHBOUR = "import torch\ntorch.set_num_threads({threads})\na = torch.randn(1024, 1024)\nwhile True:\n    a @ a\n"
+
+
+def child(args) -> None:
+    """Measured process: build every mode once, then time each idle and (after the parent has
+    started the neighbour) under load. Talks to the parent over stdin/stdout."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+    import yaml
+
+    from benchmarks.decode_bench import make_checkpoint
+    from executor.arch import MODEL_SIZES
+    from executor.config import load_config
+    from executor.platform import detect
+    from executor.registry import default_config, runner_class
+    from executor.tokenizer import BUILTIN_TOKENIZER
+
+    cfg = dict(yaml.safe_load(MODEL_SIZES.read_text())[args.size])
+    path = Path(args.ckpt)
+    if not (path / "config.json").is_file():
+        make_checkpoint(cfg, path, seed=0)
+    prompt = [[(7 * i + 3) % cfg["vocab_size"] for i in range(16)]]
+    runners = {}
+    for mode in args.modes.split(","):
+        plan = None if mode in ("eager", "ge_graph") else mode
+        sets = [
+            f"model_config.model_path={path}",
+            "model_config.with_ckpt=true",
+            f"model_config.exe_mode={'eager' if mode == 'eager' else 'ge_graph'}",
+            f"model_config.enable_superkernel={'true' if plan else 'false'}",
+            f"model_config.cache_dir={args.cache}",
+            f"scheduler_config.max_new_tokens={args.steps + 1}",
+            "data_config.input_truncated_len=16",
+            f"model_config.tokenizer_path={BUILTIN_TOKENIZER}",
+        ] + ([f"model_config.superkernel.plan={plan}"] if plan else [])
+        runner = runner_class("qwen")(load_config(default_config("qwen"), sets), detect("cpu"), None, io.StringIO())
+        runner.generate(prompt, 2)  # compile
+        runners[mode] = runner
+    result = {"threads": torch.get_num_threads(), "env": {k: os.environ.get(k, "") for k in POLICIES["active"]}}
+    for phase in ("idle", "loaded"):
+        print(f"ready {phase}", flush=True)
+        sys.stdin.readline()  # the parent starts (or not) the neighbour, then says go
+        for mode, runner in runners.items():
+            runner.generate(prompt, args.steps + 1)  # warm
+            times = sorted(runner.generate(prompt, args.steps + 1).decode_ms)
+            result[f"{mode}/{phase}"] = {
+                "median": statistics.median(times),
+                "p90": times[int(0.9 * (len(times) - 1))],
+            }
+    print("result " + json.dumps(result), flush=True)
+
+
+def measure(policy: dict, args, ckpt: Path, cache: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env |= {k: v for k, v in policy.items() if v}
+    env["CANN_RECIPES_OMP_DEFAULTS"] = "0"  # the policy under test, not the project's default
+    cmd = [sys.executable, __file__, "--child", "--size", args.size, "--modes", args.modes]
+    cmd += ["--steps", str(args.steps), "--ckpt", str(ckpt), "--cache", str(cache)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    neighbour = None
+    try:
+        for line in proc.stdout:
+            if line.startswith("ready idle"):
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+            elif line.startswith("ready loaded"):
+                code = NEIGHBOUR.format(threads=args.neighbour_threads)
+                neighbour = subprocess.Popen([sys.executable, "-c", code])
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+            elif line.startswith("result "):
+                return json.loads(line[len("result ") :])
+        raise RuntimeError(f"measured process exited with {proc.wait()}")
+    finally:
+        if neighbour:
+            neighbour.kill()
+            neighbour.wait()
+        proc.wait()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="bench-overhead", help="named size in configs/model_sizes.yaml")
+    p.add_argument("--modes", default="eager,ge_graph,decoder", help="eager, ge_graph and/or SuperKernel plans")
+    p.add_argument("--steps", type=int, default=64, help="decode steps timed per mode and phase")
+    p.add_argument("--policies", default=",".join(POLICIES), help=f"comma list of: {', '.join(POLICIES)}")
+    p.add_argument("--neighbour-threads", type=int, default=os.cpu_count(), help="the neighbour's torch threads")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--ckpt", help=argparse.SUPPRESS)
+    p.add_argument("--cache", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        child(args)
+        return 0
+    policies = args.policies.split(",")
+    if unknown := [x for x in policies if x not in POLICIES]:
+        p.error(f"--policies: unknown {unknown}; known: {', '.join(POLICIES)}")
+    modes = args.modes.split(",")
+    print(f"# load_bench: size {args.size}, modes {args.modes}, {args.steps} steps, neighbour: "
+          f"{args.neighbour_threads}-thread fp32 1024x1024 matmuls, {os.cpu_count()} cores", flush=True)  # fmt: skip
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt, cache = Path(tmp) / "ckpt", Path(tmp) / "cache"
+        for name in policies:
+            r = measure(POLICIES[name], args, ckpt, cache)
+            print(f"  measured policy {name} ({r['threads']} threads)", flush=True)
+            rows.append((name, r))
+    print("\n| OMP wait policy | mode | idle median ms | idle p90 | loaded median ms | loaded p90 | loaded / idle |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in rows:
+        for m in modes:
+            i, ld = r[f"{m}/idle"], r[f"{m}/loaded"]
+            print(
+                f"| {name} | {m} | {i['median']:.3f} | {i['p90']:.3f} | {ld['median']:.3f} | {ld['p90']:.3f} | "
+                f"{ld['median'] / i['median']:.1f}x |"
+            )
+    if "ge_graph" in modes and "decoder" in modes:
+        print()
+        for name, r in rows:
+            ratio = r["decoder/loaded"]["median"] / r["ge_graph/loaded"]["median"]
+            print(f"{name}: under load SK decoder / ge_graph = {ratio:.2f} (< 1: SK faster)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
