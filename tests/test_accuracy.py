@@ -125,3 +125,33 @@ def test_bad_input_is_one_line_exit_2(qwen3_ckpt, tmp_path, capsys):
         assert cli_main(["accuracy", *base, *extra, "--out", str(tmp_path / "o")]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error:") and err.count("\n") == 1 and needle in err
+
+
+# ----------------------------------------------------------------------------- the built-in models
+# The gate as a user runs it: the recipe's default config (the trained built-in model, its
+# held-out text by default), across exe_modes, SuperKernel plans and both dtypes. One case per
+# (model, dtype, mode) family keeps CI short (plans attention and layer: tests/test_graph_mode.py).
+BUILTIN_CASES = [
+    ("qwen", "float32", ["model_config.exe_mode=ge_graph", "model_config.enable_superkernel=false"]),
+    ("qwen", "float32", ["model_config.superkernel.plan=decoder"]),
+    ("qwen", "bfloat16", EAGER),
+    ("qwen", "bfloat16", ["model_config.superkernel.plan=mlp"]),
+    ("qwen3_moe", "float32", ["model_config.superkernel.plan=moe"]),
+    ("qwen3_moe", "bfloat16", ["model_config.superkernel.plan=decoder"]),
+]
+
+
+@pytest.mark.parametrize(
+    "model, dtype, overrides",
+    [pytest.param(*c, id=f"{c[0]}-{c[1]}-{c[2][0].split('=')[1]}") for c in BUILTIN_CASES],
+)
+def test_gate_passes_on_the_builtin_models(tmp_path, model, dtype, overrides):
+    sets = [*SMALL, f"model_config.dtype={dtype}", "model_config.enable_cache_compile=false", *overrides]
+    args = ["--model", model, *[x for s in sets for x in ("--set", s)], "--out", str(tmp_path / "out")]
+    rc = tool.main([*args, "--max-eval-tokens", "192", "--steps", "4"])
+    r = json.loads((tmp_path / "out" / "accuracy.json").read_text())
+    assert rc == 0, r["reasons"]
+    assert r["text"].endswith(f"models/{model}/builtin/eval.txt")  # the held-out text by default
+    assert r["candidate"]["dtype"] == dtype and r["cosine_min"] > 0.99 and abs(r["ppl_diff"]) < 0.1
+    assert 20 < r["reference"]["ppl"] < 1000  # a trained model: far below the vocabulary size (4096)
+    assert all(i["status"] == "PASS" for i in r["audit"])

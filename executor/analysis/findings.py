@@ -107,7 +107,9 @@ def mapping_table(nodes: list[Node], status: dict[str, str] | None) -> list[dict
         model_code = [n for n in members if not n.entry]
         converter = (status or {}).get(target, "not checked")
         npu = sorted({f"{NPU_TABLE[e][0]} (GE {NPU_TABLE[e][1]})" for e in entries if e in NPU_TABLE})
-        npu_status = sorted({(status or {}).get(f"npu.{NPU_TABLE[e][0]}.default", "not checked") for e in entries})
+        npu += [f"{e}: plain aten ops in the NPU table too" for e in entries if e not in NPU_TABLE]  # e.g. kv_update
+        fused = [e for e in entries if e in NPU_TABLE]
+        npu_status = sorted({(status or {}).get(f"npu.{NPU_TABLE[e][0]}.default", "not checked") for e in fused})
         problems = []
         if model_code and converter == "missing":
             problems.append("no GE converter: ge_graph cannot convert it")
@@ -123,7 +125,7 @@ def mapping_table(nodes: list[Node], status: dict[str, str] | None) -> list[dict
                 "entries": entries,
                 "npu": npu or (["custom op: see executor/backends/"] if target.startswith("cann.") else []),
                 "converter": converter,
-                "fused_converter": npu_status if entries else [],
+                "fused_converter": npu_status if fused else [],
                 "sources": sorted({n.source for n in members if n.source})[:4],
                 "problems": problems,
             }
