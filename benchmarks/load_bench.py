@@ -12,7 +12,9 @@ The wait policy is read once, when libgomp loads, so each policy runs in its own
 
 Prints, per policy and mode: median and p90 decode ms/step idle and under load, the loaded/idle
 ratio, and SK decoder against ge_graph under load. The project's default (executor/__init__.py)
-is the `passive` row.
+is the `passive` row on a host that is busy when the process starts, the `gomp default` row on
+an idle one (this benchmark starts each measured process on an idle host and sets the policy
+itself).
 """
 
 from __future__ import annotations
@@ -33,7 +35,11 @@ POLICIES = {  # name -> environment for the measured process (libgomp reads it a
     "gomp default": {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": ""},
     "active": {"OMP_WAIT_POLICY": "ACTIVE"},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "spin 2k": {"GOMP_SPINCOUNT": "2000"},
+    "spin 10k": {"GOMP_SPINCOUNT": "10000"},  # spin ~10k iterations (microseconds), then sleep
+    "spin 100k": {"GOMP_SPINCOUNT": "100000"},
 }
+ENV_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 NEIGHBOUR = "import torch\ntorch.set_num_threads({threads})\na = torch.randn(1024, 1024)\nwhile True:\n    a @ a\n"
 
 
@@ -64,6 +70,7 @@ def child(args) -> None:
             "model_config.with_ckpt=true",
             f"model_config.exe_mode={'eager' if mode == 'eager' else 'ge_graph'}",
             f"model_config.enable_superkernel={'true' if plan else 'false'}",
+            f"model_config.enable_cache_compile={'false' if mode == 'eager' else 'true'}",
             f"model_config.cache_dir={args.cache}",
             f"scheduler_config.max_new_tokens={args.steps + 1}",
             "data_config.input_truncated_len=16",
@@ -72,7 +79,7 @@ def child(args) -> None:
         runner = runner_class("qwen")(load_config(default_config("qwen"), sets), detect("cpu"), None, io.StringIO())
         runner.generate(prompt, 2)  # compile
         runners[mode] = runner
-    result = {"threads": torch.get_num_threads(), "env": {k: os.environ.get(k, "") for k in POLICIES["active"]}}
+    result = {"threads": torch.get_num_threads(), "env": {k: os.environ.get(k, "") for k in ENV_KEYS}}
     for phase in ("idle", "loaded"):
         print(f"ready {phase}", flush=True)
         sys.stdin.readline()  # the parent starts (or not) the neighbour, then says go
@@ -87,7 +94,7 @@ def child(args) -> None:
 
 
 def measure(policy: dict, args, ckpt: Path, cache: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env = {k: v for k, v in os.environ.items() if k not in ENV_KEYS}
     env |= {k: v for k, v in policy.items() if v}
     env["CANN_RECIPES_OMP_DEFAULTS"] = "0"  # the policy under test, not the project's default
     cmd = [sys.executable, __file__, "--child", "--size", args.size, "--modes", args.modes]
@@ -119,7 +126,7 @@ def main(argv=None) -> int:
     p.add_argument("--size", default="bench-overhead", help="named size in configs/model_sizes.yaml")
     p.add_argument("--modes", default="eager,ge_graph,decoder", help="eager, ge_graph and/or SuperKernel plans")
     p.add_argument("--steps", type=int, default=64, help="decode steps timed per mode and phase")
-    p.add_argument("--policies", default=",".join(POLICIES), help=f"comma list of: {', '.join(POLICIES)}")
+    p.add_argument("--policies", default="gomp default,passive,spin 10k", help=f"comma list of: {', '.join(POLICIES)}")
     p.add_argument("--neighbour-threads", type=int, default=os.cpu_count(), help="the neighbour's torch threads")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)

@@ -1,16 +1,41 @@
 """The recipe executor.
 
-Importing it sets one process default before torch loads: OpenMP threads that finish a parallel
-region sleep instead of spinning (`OMP_WAIT_POLICY=PASSIVE`). A decode step runs hundreds of
-short parallel regions; on a host shared with another busy process, libgomp's default spinning
-burns the time slices of the very thread the others wait for, and a 1 ms step became 300 ms
-(BENCHMARKS.md, "Under load", measured with benchmarks/load_bench.py). libgomp reads the policy
-once, when it loads, so this must happen before `import torch`; it has no effect in a process
-that imported torch first. A policy the user set is kept; `CANN_RECIPES_OMP_DEFAULTS=0` leaves
-the environment alone (load_bench uses it to measure libgomp's own default).
+Importing it sets one process default before torch loads: on a busy host, OpenMP threads that
+finish a parallel region sleep instead of spinning (`OMP_WAIT_POLICY=PASSIVE`). A decode step runs
+hundreds of short parallel regions; next to another busy process, libgomp's default spinning burns
+the time slices of the very thread the others wait for, and a 2 ms ge_graph step took 135-175 ms
+(BENCHMARKS.md, "Under load", benchmarks/load_bench.py). Sleeping is not free either: on an idle
+VM, waking a sleeping thread costs tens of microseconds, and the passive policy made the same
+steps 2-8x slower. So the policy follows the host: PASSIVE when other tasks are running on this
+process's cores as it starts (/proc/loadavg's runnable count, sampled), libgomp's default otherwise.
+libgomp reads the policy once, when it loads, so this must happen before `import torch`; it has no
+effect in a process that imported torch first. A policy the user set is kept;
+`CANN_RECIPES_OMP_DEFAULTS=0` leaves the environment alone. The choice and its reason are in
+metrics.json (`omp_wait_policy`, `omp_reason`).
 """
 
 import os
+import time
 
-if os.environ.get("CANN_RECIPES_OMP_DEFAULTS", "1") != "0":
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+def busy_host(samples: int = 5) -> tuple[bool, str]:
+    """(whether other tasks want this process's cores now, the reason in words)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+        running = []
+        for _ in range(samples):
+            with open("/proc/loadavg") as f:
+                running.append(int(f.read().split()[3].split("/")[0]) - 1)  # minus this process
+            time.sleep(0.005)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return False, "no /proc/loadavg: libgomp's default"
+    others = sorted(running)[len(running) // 2]
+    busy = others * 2 >= cores  # other runnable tasks on at least half the cores
+    return busy, f"{others} other runnable task(s) on {cores} core(s) at start"
+
+
+if os.environ.get("CANN_RECIPES_OMP_DEFAULTS", "1") != "0" and "OMP_WAIT_POLICY" not in os.environ:
+    _busy, _why = busy_host()
+    if _busy:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ["CANN_RECIPES_OMP_REASON"] = _why

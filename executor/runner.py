@@ -429,6 +429,7 @@ class ModelRunner:
             "torch_version": torch.__version__,
             "threads": torch.get_num_threads(),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "libgomp default"),  # see executor/__init__.py
+            "omp_reason": os.environ.get("CANN_RECIPES_OMP_REASON", "set outside this project"),
             "exe_mode": mc.exe_mode,
             "backend": report.backend,
             "dtype": self.dtype_name,  # resolved (config may say auto)
