@@ -96,6 +96,7 @@ def build_step(recipe: str, size: str, mode: str, custom: bool, t: int, position
         *MODES[mode],
         f"model_config.debug_size={size}",
         "model_config.model_path=",
+        "model_config.with_ckpt=false",  # random weights of the named size
         "model_config.enable_cache_compile=false",
         f"model_config.tokenizer_path={BUILTIN_TOKENIZER}",
         "scheduler_config.max_new_tokens=1",
