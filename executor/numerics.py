@@ -72,10 +72,6 @@ class RegionTracker(ScopeStandIn):
         finally:
             self.stack.pop()
 
-    def tap(self, name: str, value: torch.Tensor) -> torch.Tensor:
-        """Identity, as ScopeRunner.tap without an observer (the models tap their layer outputs)."""
-        return value
-
 
 def _nonfinite_scalar(args: Any) -> bool:
     if isinstance(args, float):
