@@ -38,6 +38,32 @@ from executor.platform import cann_version
 from executor.scope import ScopeFactory, ScopePlan, parse_options
 
 INT32_MAX = 2**31 - 1  # FIA pre_tokens/next_tokens "no band limit"; causality comes from the mask
+
+
+def fused_infer_attention(tnpu, q, k, v, mask, scale, **extra):
+    """torch_npu's FusedInferAttentionScore with the op-table contract: q (B, Hq, S, D), k/v
+    (B, Hkv, T, D), layout BNSD; mask (B, 1, S, T) bool, True = masked out, which is already the
+    NPU polarity (sparse_mode 0 = use the mask as given). The op takes contiguous inputs only (a
+    prefill query arrives transposed; a no-op in decode). `extra`: e.g. actual_seq_lengths_kv
+    (cann::decode_attention). The second output (lse) is only defined with softmax_lse_flag=True:
+    never read."""
+    out, _lse = tnpu.npu_fused_infer_attention_score(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        atten_mask=mask,
+        num_heads=q.shape[1],
+        num_key_value_heads=k.shape[1],
+        input_layout="BNSD",
+        scale=scale,
+        sparse_mode=0,
+        pre_tokens=INT32_MAX,
+        next_tokens=INT32_MAX,
+        **extra,
+    )
+    return out
+
+
 # npu_fused_infer_attention_score takes float16, bfloat16 or int8 queries only (no float32;
 # tests/data/ascend_facts/fused_ops.yaml). int8 is a quantised path this op table does not use.
 NPU_DTYPES = ("bfloat16", "float16")
@@ -84,24 +110,7 @@ def register_ops() -> None:
         return tnpu.npu_rotary_mul(x, cos, sin, rotary_mode="half")
 
     def attention(q, k, v, mask, scale):
-        # q (B, Hq, S, D), k/v (B, Hkv, T, D): layout BNSD; mask (B, 1, S, T) bool, True = masked
-        # out, which is already the NPU polarity. sparse_mode 0 = use the mask as given. The op
-        # takes contiguous inputs only (a prefill query arrives transposed); a no-op in decode.
-        # The second output (lse) is only defined with softmax_lse_flag=True: never read here.
-        out, _lse = tnpu.npu_fused_infer_attention_score(
-            q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
-            atten_mask=mask,
-            num_heads=q.shape[1],
-            num_key_value_heads=k.shape[1],
-            input_layout="BNSD",
-            scale=scale,
-            sparse_mode=0,
-            pre_tokens=INT32_MAX,
-            next_tokens=INT32_MAX,
-        )
-        return out
+        return fused_infer_attention(tnpu, q, k, v, mask, scale)
 
     def moe_gating_top_k_softmax(logits, k):
         # The op returns its weights in the input's dtype; the contract (executor.ops.reference) is

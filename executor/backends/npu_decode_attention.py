@@ -27,11 +27,12 @@ import importlib
 
 import torch
 
+from executor.backends.npu import INT32_MAX, fused_infer_attention
+
 MODES = ("eager", "ge_graph")
 WHY_NOT = {
     "npugraph_ex": "an aclgraph capture cannot read the valid lengths back to the host, which its eager kernel does"
 }
-INT32_MAX = 2**31 - 1  # FIA pre_tokens/next_tokens "no band limit"; causality comes from the mask
 
 _registered: list[torch.library.Library] = []
 
@@ -44,24 +45,11 @@ def kv_lengths(mask: torch.Tensor) -> torch.Tensor:
 
 
 def fused_attention(tnpu, q, k_cache, v_cache, mask, scale):
-    """The PrivateUse1 kernel (eager on NPU): torch_npu's FusedInferAttentionScore told the valid lengths.
-
-    Layout BNSD is the contract's (B, H, S|T, D); FIA takes contiguous inputs only (a no-op in decode)."""
-    out, _lse = tnpu.npu_fused_infer_attention_score(
-        q.contiguous(),
-        k_cache.contiguous(),
-        v_cache.contiguous(),
-        atten_mask=mask,
-        actual_seq_lengths_kv=kv_lengths(mask).tolist(),  # host ints: the eager binding's SymInt[]
-        num_heads=q.shape[1],
-        num_key_value_heads=k_cache.shape[1],
-        input_layout="BNSD",
-        scale=scale,
-        sparse_mode=0,
-        pre_tokens=INT32_MAX,
-        next_tokens=INT32_MAX,
+    """The PrivateUse1 kernel (eager on NPU): the attention op-table entry's FIA call, told the
+    valid lengths (host ints: the eager binding's SymInt[])."""
+    return fused_infer_attention(
+        tnpu, q, k_cache, v_cache, mask, scale, actual_seq_lengths_kv=kv_lengths(mask).tolist()
     )
-    return out  # the second output (lse) is undefined without softmax_lse_flag: never read
 
 
 def register(tnpu, torchair) -> None:
