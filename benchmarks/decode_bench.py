@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 from executor.arch import MODEL_SIZES, ModelArch, arch_from_dict  # noqa: E402
 from executor.config import load_config  # noqa: E402
 from executor.parallel import launch, runtime  # noqa: E402
-from executor.platform import detect  # noqa: E402
+from executor.platform import Platform, detect, timer  # noqa: E402
 from executor.registry import default_config, runner_class  # noqa: E402
 from executor.tokenizer import BUILTIN_TOKENIZER  # noqa: E402
 
@@ -77,7 +77,7 @@ def make_checkpoint(cfg: dict, path: Path, seed: int) -> None:
     model.save_pretrained(path)
 
 
-def memory_bandwidth_gbs(nbytes: int = 1 << 29) -> tuple[float, float]:
+def memory_bandwidth_gbs(platform: Platform, nbytes: int = 1 << 29) -> tuple[float, float]:
     """(read, copy) bandwidth in GB/s, best of 7, on a tensor far larger than the caches.
 
     read: a full reduction over the tensor, the traffic pattern of a decode step (weights are
@@ -85,31 +85,30 @@ def memory_bandwidth_gbs(nbytes: int = 1 << 29) -> tuple[float, float]:
     weight bytes / read bandwidth; the copy rate is printed for reference (it moves each byte
     twice, so weight bytes / copy rate is not a floor).
     """
-    src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=platform.kind).uniform_()
     dst = torch.empty_like(src)
-
-    def best(fn) -> float:
-        times = []
-        for _ in range(7):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    return nbytes / best(src.sum) / 1e9, nbytes / best(lambda: dst.copy_(src)) / 1e9
+    return nbytes / _best(platform, src.sum, 7) / 1e9, nbytes / _best(platform, lambda: dst.copy_(src), 7) / 1e9
 
 
-def matmul_tflops(dtype: torch.dtype, n: int = 1536) -> float:
+def _best(platform: Platform, fn, runs: int) -> float:
+    """Shortest of `runs` timed calls after one warm-up, waiting for the device around each."""
+    now = timer(platform)
+    fn()
+    times = []
+    for _ in range(runs):
+        t0 = now()
+        fn()
+        times.append(now() - t0)
+    return min(times)
+
+
+def matmul_tflops(platform: Platform, dtype: torch.dtype, n: int = 1536) -> float:
     """Dense matmul rate in TFLOP/s for `dtype` (an n x n x n product, best of 5): the compute
     side of the roofline, what a large-batch or prefill step can at best reach on this machine."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    a @ b  # warm-up (oneDNN primitive creation)
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - t0)
-    return 2 * n**3 / min(times) / 1e12
+    if platform.kind != "cpu":
+        n = 8192  # an accelerator needs a large product to reach its rate
+    a, b = (torch.randn(n, n, device=platform.kind).to(dtype) for _ in range(2))
+    return 2 * n**3 / _best(platform, lambda: a @ b, 5) / 1e12  # the warm-up creates oneDNN's primitive
 
 
 def step_cost(arch: ModelArch, dtype_bytes: int, batch: int, context: int) -> tuple[float, float]:
@@ -127,7 +126,7 @@ def step_cost(arch: ModelArch, dtype_bytes: int, batch: int, context: int) -> tu
     return weights + kv, 2 * params_per_token * batch + attn_flops
 
 
-def _stamps():
+def _stamps(platform: Platform):
     """A stopping criterion recording when each generated token is ready (never stops)."""
     import transformers
 
@@ -135,21 +134,23 @@ def _stamps():
         times: list[float] = []
 
         def __call__(self, input_ids, scores, **kwargs):
-            self.times.append(time.perf_counter())
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+            self.times.append(self.now())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
-    Stamp.times = []
+    Stamp.times, Stamp.now = [], staticmethod(timer(platform))
     return Stamp()
 
 
-def hf_decode(path: Path, prompts: list[list[int]], steps: int, dtype: torch.dtype, compiled: bool) -> Row:
+def hf_decode(
+    path: Path, prompts: list[list[int]], steps: int, dtype: torch.dtype, compiled: bool, device: str = "cpu"
+) -> Row:
     """transformers' own generate: eager with its default (dynamic) cache, or what a user tries
     first for graph-mode decode: the static cache with the forward under torch.compile. Median
     per-token time from the stopping criterion's timestamps."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    ids = torch.tensor(prompts)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().to(device)
+    ids = torch.tensor(prompts, device=device)
     kwargs = dict(do_sample=False, min_new_tokens=steps + 1, max_new_tokens=steps + 1, pad_token_id=0)
     if compiled:
         cc = transformers.CompileConfig(fullgraph=True, mode="default")
@@ -161,7 +162,7 @@ def hf_decode(path: Path, prompts: list[list[int]], steps: int, dtype: torch.dty
         compile_s = time.perf_counter() - t0 if compiled else None
         if compiled:
             model.generate(ids, **kwargs)  # a second call: any recompile for the new cache happens here
-        stamp = _stamps()
+        stamp = _stamps(detect(device))
         out = model.generate(ids, stopping_criteria=transformers.StoppingCriteriaList([stamp]), **kwargs)
     deltas = [(b - a) * 1e3 for a, b in itertools.pairwise(stamp.times)]
     tokens = out[:, ids.shape[1] :].tolist()
@@ -179,13 +180,14 @@ LAYOUTS = {  # --layout -> parallel_config for N ranks
 
 def our_decode(
     recipe: str, path: Path, exe_mode: str, plan: str | None, prompts: list[list[int]], steps: int, dtype: str,
-    max_len: int, parallel: list[str] = (),
+    max_len: int, parallel: list[str] = (), platform: Platform | None = None,
 ) -> Row:  # fmt: skip
     overrides = [
         f"model_config.model_path={path}",
         "model_config.with_ckpt=true",
         f"model_config.exe_mode={exe_mode}",
         f"model_config.dtype={dtype}",
+        f"model_config.device={platform.kind if platform else 'cpu'}",
         "model_config.enable_cache_compile=false",  # every mode compiles cold, so compile_s compares
         f"model_config.enable_superkernel={'true' if plan else 'false'}",
         f"scheduler_config.batch_size={len(prompts)}",
@@ -197,7 +199,7 @@ def our_decode(
         overrides.append(f"model_config.superkernel.plan={plan}")
     overrides += [f"parallel_config.{p}" for p in parallel]
     cfg = load_config(default_config(recipe), overrides)
-    runner = runner_class(recipe)(cfg, detect("cpu"), None)
+    runner = runner_class(recipe)(cfg, platform or detect("cpu"), None)
     t0 = time.perf_counter()
     runner.generate(prompts, 2)  # warm-up + compile
     compile_s = time.perf_counter() - t0
@@ -256,6 +258,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-len", type=int, help="static KV-cache slots (default: prompt + generated tokens)")
     p.add_argument("--no-hf", action="store_true", help="skip both transformers peers")
     p.add_argument("--no-compiled-peer", action="store_true", help="skip transformers static cache + torch.compile")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where every side runs (default cpu)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--plot", help="PNG of tokens/s per batch size and mode, with the roofline")
     p.add_argument("--world-size", type=int, default=1, help="ranks (torchrun); > 1 skips the transformers peers")
@@ -270,6 +273,8 @@ def main(argv=None) -> int:
     max_len = args.max_len or args.prompt_len + args.steps + 1
     if min(batches) < 1 or args.steps < 2 or max_len < args.prompt_len + args.steps + 1:
         p.error("--batch >= 1, --steps >= 2 and --max-len >= --prompt-len + --steps + 1")
+    if args.device != "cpu" and args.world_size > 1:
+        p.error("--device cuda measures one device: use --world-size 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -278,7 +283,7 @@ def main(argv=None) -> int:
         cfg["num_hidden_layers"] = args.layers
     arch = arch_from_dict(cfg, args.size)
     dtype, dtype_bytes = DTYPES[args.dtype], DTYPES[args.dtype].itemsize
-    platform = detect("cpu")
+    platform = detect(args.device)
     if args.world_size > 1:
         return bench_ranks(args, list(sys.argv[1:] if argv is None else argv), cfg, arch, platform, max_len)
     print(
@@ -287,8 +292,8 @@ def main(argv=None) -> int:
         f"{platform.describe()}, torch {torch.__version__}, {torch.get_num_threads()} threads",
         flush=True,
     )
-    read_bw, copy_bw = memory_bandwidth_gbs()
-    tflops = matmul_tflops(dtype)
+    read_bw, copy_bw = memory_bandwidth_gbs(platform)
+    tflops = matmul_tflops(platform, dtype)
     print(
         f"# machine: read bandwidth {read_bw:.1f} GB/s (copy {copy_bw:.1f} GB/s), {args.dtype} matmul "
         f"{tflops:.2f} TFLOP/s",
@@ -303,11 +308,15 @@ def main(argv=None) -> int:
             prompts = [[(7 * i + 3 + 11 * r) % arch.vocab_size for i in range(args.prompt_len)] for r in range(batch)]
             rows = []
             for exe_mode, plan in [("eager", None), ("ge_graph", None)] + [("ge_graph", pl) for pl in plans]:
-                rows.append(our_decode(args.model, path, exe_mode, plan, prompts, args.steps, args.dtype, max_len))
+                rows.append(
+                    our_decode(
+                        args.model, path, exe_mode, plan, prompts, args.steps, args.dtype, max_len, platform=platform
+                    )
+                )
                 print(f"  batch {batch}: measured {rows[-1].name}", flush=True)
             if not args.no_hf:
                 for compiled in (False,) if args.no_compiled_peer else (False, True):
-                    rows.append(hf_decode(path, prompts, args.steps, dtype, compiled))
+                    rows.append(hf_decode(path, prompts, args.steps, dtype, compiled, args.device))
                     print(f"  batch {batch}: measured {rows[-1].name}", flush=True)
             # the timed steps see prompt_len + 1 ... prompt_len + steps valid cached tokens
             nbytes, flops = step_cost(arch, dtype_bytes, batch, args.prompt_len + args.steps // 2)

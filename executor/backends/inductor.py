@@ -26,6 +26,7 @@ CUDA a collective is captured into the scope's CUDA graph with the rest (NCCL su
 
 from __future__ import annotations
 
+import inspect
 import operator
 import tempfile
 import warnings
@@ -394,6 +395,16 @@ class InductorStep(CompiledStep):
         )
 
 
+def _isolated_recompiles() -> dict:
+    """`isolate_recompiles=True` where torch.compile has it (2.13, the pinned version). Older
+    torch (2.11, the CUDA machines' image) lacks it: there all runners share one code object's
+    recompile budget, so that budget is raised instead."""
+    if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
+        return {"isolate_recompiles": True}
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4096)
+    return {}
+
+
 def compile_inductor(
     step: Callable,
     superkernel: bool,
@@ -417,8 +428,8 @@ def compile_inductor(
         backend=compiler,
         fullgraph=True,
         dynamic=False,
-        isolate_recompiles=True,
         options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
+        **_isolated_recompiles(),
     )
     name = "inductor+superkernel" if superkernel else "inductor"
     return InductorStep(compiled, compiler, name, cache_dir, cache_enabled, cache_key)
