@@ -57,12 +57,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     """Masked GQA attention. q (B, Hq, S, D); k, v (B, Hkv, T, D); mask (B, 1, S, T) bool,
     True = masked out (the NPU polarity). Returns (B, Hq, S, D). Softmax runs in fp32."""
     b, hq, s, d = q.shape
-    hkv = k.shape[1]
-    qg = q.view(b, hkv, hq // hkv, s, d)  # (B, Hkv, G, S, D)
-    scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scale  # (B, Hkv, G, S, T)
+    hkv, t = k.shape[1], k.shape[2]
+    g = hq // hkv
+    # The G query heads sharing a KV head are stacked as rows, (B, Hkv, G*S, D): each product is
+    # one batched matmul against K and V as stored. Broadcasting K/V over a G axis instead makes
+    # matmul copy them G times (the bulk of an eager decode step at long context).
+    qg = q.reshape(b, hkv, g * s, d)
+    scores = (torch.matmul(qg, k.transpose(-1, -2)) * scale).view(b, hkv, g, s, t)
     scores = scores.masked_fill(mask.unsqueeze(2), float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v.unsqueeze(2)).view(b, hq, s, d)
+    return torch.matmul(probs.view(b, hkv, g * s, t), v).view(b, hq, s, d)
 
 
 def moe_gating_top_k_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
