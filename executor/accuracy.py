@@ -17,6 +17,10 @@ exe_mode, SuperKernel plan, dtype, op table). What is compared:
 - an audit: the op implementation each executor.ops op resolved to (a table lacking an op falls
   back to the reference: FAIL), every requested SuperKernel scope ran as asked (never opened,
   unfused, or cut: FAIL), the dtype that really ran.
+
+Each side is measured alone (`measure_side`), so a multi-rank candidate runs the same code on
+every rank (tools/rank_generate.py) while the reference stays one device; every value the
+report compares is the whole batch's (the ranks' rows gathered).
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ import torch.nn.functional as F
 
 from executor import ops
 from executor.backends.base import EagerBackend
-from executor.config import RunConfig
+from executor.config import ParallelConfig, RunConfig
+from executor.parallel import runtime
 from executor.runner import DTYPES, ModelRunner
 
 LOGITS = "logits"  # the region name of the final logits
@@ -44,7 +49,8 @@ class Gate:
 
 
 def reference_config(cfg: RunConfig) -> RunConfig:
-    """The configured run made the reference: eager, float32, no SuperKernel, no compile cache."""
+    """The configured run made the reference: eager, float32, no SuperKernel, no compile cache,
+    one device (every parallel layout computes the same model, so one reference serves them all)."""
     mc = dataclasses.replace(
         cfg.model_config,
         exe_mode="eager",
@@ -55,7 +61,7 @@ def reference_config(cfg: RunConfig) -> RunConfig:
         enable_static_kernel=False,
         enable_profiler=False,
     )
-    return dataclasses.replace(cfg, model_config=mc)
+    return dataclasses.replace(cfg, model_config=mc, parallel_config=ParallelConfig())
 
 
 class _Copies:
@@ -118,54 +124,89 @@ class RegionCosines:
         return name, every[name]
 
 
-def install_decode_taps(ref: ModelRunner, cand: ModelRunner, batch: int) -> None:
-    """Observe both sides' decode steps for the whole evaluation. Installed before the
-    candidate's step compiles and never removed, so the step compiles once (with the copies)."""
-    layers = [f"layer_{i}" for i in range(len(cand.model.layers))]
-    cand.decode_scopes.observer = _Buffers(layers, (batch, 1, cand.arch.hidden_size), cand.dtype, cand.device)
-    ref.decode_scopes.observer = _Copies()
+def tap_decode(runner: ModelRunner) -> None:
+    """Observe every decode step of `runner` for the whole evaluation. Installed before its step
+    compiles and never removed, so the step compiles once (with the copies)."""
+    if runner.step is not None:
+        raise RuntimeError("tap_decode: the decode step is already compiled; a tap added now would never run")
+    b = runner.cfg.scheduler_config.batch_size // runner.parallel.layout.attn_dp  # this rank's rows
+    layers = [f"layer_{i}" for i in range(len(runner.model.layers))]
+    runner.decode_scopes.observer = _Buffers(layers, (b, 1, runner.arch.hidden_size), runner.dtype, runner.device)
 
 
-def compare_regions(
-    ref: ModelRunner, cand: ModelRunner, prompt_ids: list[list[int]], steps: int, progress: Callable[[str], None]
-) -> RegionCosines:
-    """Per-region cosines over prefill and `steps` decode steps, both sides fed the reference's
-    greedy tokens (so one early flip of a near-tie cannot make every later step incomparable).
-    The decode taps must be installed (install_decode_taps)."""
-    b, layers = len(prompt_ids), [f"layer_{i}" for i in range(len(cand.model.layers))]
-    out = RegionCosines()
-    lengths = torch.tensor([len(p) for p in prompt_ids])
-    valid = torch.arange(int(lengths.max())).view(1, -1) < lengths.view(-1, 1)  # (B, S) real prompt tokens
-    prefill = {}
-    for side, runner in (("ref", ref), ("cand", cand)):
-        taps = _Copies()
-        runner.prefill_scopes.observer = taps
-        try:
-            with runner.session(b):
-                pre = runner.prefill(prompt_ids)
-        finally:
-            runner.prefill_scopes.observer = None
-        prefill[side] = (pre, taps.values)
-    for name in layers:
-        r, c = prefill["ref"][1][name], prefill["cand"][1][name]
-        out.add("prefill", name, _cosine(r[valid], c[valid]))
-    out.add("prefill", LOGITS, _cosine(prefill["ref"][0].logits, prefill["cand"][0].logits))
-    progress(f"prefill compared: worst {min(out.prefill.values()):.6f}")
+@dataclass
+class Recording:
+    """What one side computed region by region, for the whole batch, in float32.
 
-    token = prefill["ref"][0].logits.argmax(-1, keepdim=True)
-    pos = lengths.view(b, 1).to(cand.device)
+    prefill: region -> (B, S, H) at every (right-padded) prompt position, and LOGITS -> (B, V);
+    decode: per step, region -> (B, 1, H) and LOGITS -> (B, V); fed: per decode step, the (B,)
+    tokens fed in; lengths: the prompt lengths (which prefill positions are real)."""
+
+    prefill: dict[str, torch.Tensor]
+    decode: list[dict[str, torch.Tensor]]
+    fed: list[list[int]]
+    lengths: list[int]
+
+
+def record(
+    runner: ModelRunner,
+    prompt_ids: list[list[int]],
+    steps: int,
+    feed: list[list[int]] | None,
+    progress: Callable[[str], None],
+) -> Recording:
+    """Prefill `prompt_ids`, then `steps` decode steps fed `feed` (None: this side's own greedy
+    tokens, what the reference does, so the candidate can be fed the same ones and one early flip
+    of a near-tie cannot make every later step incomparable). The decode tap must be installed.
+
+    On several devices every rank calls this: each attention-DP group runs its rows (padded to the
+    batch's longest prompt, so the groups' collectives have the same shapes), and every region's
+    rows are gathered from the first rank of each group. Those are whole layer outputs: under
+    tensor parallelism a layer's output is complete (after its all-reduce) on every rank."""
+    first, last = runner.parallel.local_rows(len(prompt_ids))
+    b, p = last - first, runner.parallel
+
+    def whole(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {n: runtime.gather_row_tensor(v.float().cpu(), p) for n, v in values.items()}
+
+    taps = _Copies()
+    runner.prefill_scopes.observer = taps
+    try:
+        with runner.session(b):
+            pre = runner.prefill(prompt_ids[first:last], width=max(len(r) for r in prompt_ids))
+    finally:
+        runner.prefill_scopes.observer = None
+    out = Recording(whole(taps.values | {LOGITS: pre.logits}), [], [], [len(r) for r in prompt_ids])
+    progress(f"prefill recorded: {len(taps.values)} regions, {len(prompt_ids)} rows")
+    token = out.prefill[LOGITS].argmax(-1)  # (B,) the whole batch's next tokens
+    pos = pre.lengths.view(b, 1)
     for step in range(steps):
-        with ref.session(b):
-            ref_logits = ref.decode_one(token, pos)
-        with cand.session(b):
-            cand_logits = cand.decode_one(token, pos)
-        ref_values, cand_values = ref.decode_scopes.observer.values, cand.decode_scopes.observer.values
-        for name in layers:
-            out.add("decode", name, _cosine(ref_values[name], cand_values[name]))
-        out.add("decode", LOGITS, _cosine(ref_logits, cand_logits))
-        token, pos = ref_logits.argmax(-1, keepdim=True), pos + 1
+        fed = torch.tensor(feed[step]) if feed is not None else token
+        out.fed.append(fed.tolist())
+        with runner.session(b):
+            logits = runner.decode_one(fed[first:last].view(b, 1).to(runner.device), pos + step)
+        out.decode.append(whole(runner.decode_scopes.observer.values | {LOGITS: logits}))
+        token = out.decode[-1][LOGITS].argmax(-1)
         if (step + 1) % 8 == 0 or step + 1 == steps:
-            progress(f"decode step {step + 1}/{steps} compared: worst so far {min(out.decode.values()):.6f}")
+            progress(f"decode step {step + 1}/{steps} recorded")
+    return out
+
+
+def compare(ref: Recording, cand: Recording) -> RegionCosines:
+    """Per-region minimum cosines of two recordings of the same inputs (prefill: real prompt
+    positions only; every row of the batch)."""
+    out = RegionCosines()
+    lengths = torch.tensor(ref.lengths)
+    for name, r in ref.prefill.items():
+        if name != LOGITS:
+            valid = torch.arange(r.shape[1]).view(1, -1) < lengths.view(-1, 1)  # (B, S) real prompt tokens
+            r, c = r[valid], cand.prefill[name][valid]
+        else:
+            c = cand.prefill[name]
+        out.add("prefill", name, _cosine(r, c))
+    for r_step, c_step in zip(ref.decode, cand.decode):
+        for name, r in r_step.items():
+            out.add("decode", name, _cosine(r, c_step[name]))
     return out
 
 
@@ -230,23 +271,24 @@ def _sum_over_row_groups(local: Perplexity, runner: ModelRunner) -> Perplexity:
     p = runner.parallel
     if p.layout.attn_dp == 1:
         return local
-    from executor.parallel import runtime
-
     every = runtime.gather_objects((local.nll, local.tokens), p)
     return Perplexity(sum(every[r][0] for r in p.dp_leaders), sum(every[r][1] for r in p.dp_leaders))
 
 
 def perplexity_prefill(runner: ModelRunner, wins: list[list[int]], batch: int) -> Perplexity:
-    """Teacher-forced perplexity of whole windows through the prefill path (eager, no scopes)."""
+    """Teacher-forced perplexity of whole windows through the prefill path (eager, no scopes);
+    on several devices, each attention-DP group its rows, as perplexity_decode."""
     result = Perplexity()
+    first, last = runner.parallel.local_rows(batch)
     for rows, real in _groups(wins, batch):
-        ids = torch.tensor(rows, device=runner.device)  # (B, L)
+        ids = torch.tensor(rows[first:last], device=runner.device)  # (b, L)
+        mine = max(0, min(real, last) - first)
         positions = torch.arange(ids.shape[1], device=runner.device).expand_as(ids)
-        with runner.session(batch):
+        with runner.session(last - first):
             hidden = runner.model(ids, positions, runner.cache, runner.prefill_scopes)
-            logits = runner.model.logits(hidden)  # (B, L, V)
-        result.add(logits[:real, :-1].reshape(-1, logits.shape[-1]), ids[:real, 1:].reshape(-1))
-    return result
+            logits = runner.model.logits(hidden)  # (b, L, V)
+        result.add(logits[:mine, :-1].reshape(-1, logits.shape[-1]), ids[:mine, 1:].reshape(-1))
+    return _sum_over_row_groups(result, runner)
 
 
 def greedy_agreement(ref_tokens: list[list[int]], cand_tokens: list[list[int]]) -> dict:
@@ -306,6 +348,61 @@ def audit(cand: ModelRunner, active_table: str) -> list[dict]:
 def use_reference_ops(runner: ModelRunner) -> None:
     """The reference runs eagerly with the reference op table, whatever the platform."""
     runner.use_backend(EagerBackend("reference"))
+
+
+def use_op_table(runner: ModelRunner, table: str) -> None:
+    """Run the candidate with op table `table` (tools/accuracy.py --ops) instead of its backend's."""
+    runner.backend.op_table = table
+    runner.use_backend(runner.backend)
+
+
+@dataclass
+class SideInputs:
+    """What both sides are given (plain data: it travels to the ranks as JSON)."""
+
+    prompt_ids: list[list[int]]  # the batch
+    steps: int  # decode steps recorded region by region
+    windows: list[list[int]]  # evaluation-text windows for both perplexities
+    new_tokens: int  # greedy tokens compared
+    feed: list[list[int]] | None = None  # tokens fed to the recorded decode steps (None: own greedy)
+
+
+def measure_side(runner: ModelRunner, inputs: SideInputs, progress: Callable[[str], None]) -> dict:
+    """Everything one side contributes to the report, whole-batch values only (plain data, so a
+    rank can save it for the tool's process): the region recording (see record), both
+    perplexities, the greedy tokens and the audit. On several devices every rank calls this (the
+    steps hold collectives); the audit is every rank's, merged."""
+    batch, wins = runner.cfg.scheduler_config.batch_size, inputs.windows
+    tap_decode(runner)
+    rec = record(runner, inputs.prompt_ids, inputs.steps, inputs.feed, progress)
+    with runner.session(batch // runner.parallel.layout.attn_dp):
+        active = ops.active()
+    progress(f"perplexity on {sum(map(len, wins))} tokens in {len(wins)} window(s) ...")
+    decode, prefill = perplexity_decode(runner, wins, batch), perplexity_prefill(runner, wins, batch)
+    progress(f"PPL {decode.ppl:.4f} through decode, {prefill.ppl:.4f} through prefill")
+    greedy = runner.generate(inputs.prompt_ids, inputs.new_tokens).token_ids
+    return {
+        "recording": dataclasses.asdict(rec),
+        "ppl": decode.ppl,
+        "ppl_prefill": prefill.ppl,
+        "tokens": decode.tokens,
+        "greedy_tokens": greedy,
+        "audit": _merge_ranks(audit(runner, active), runner),
+        "ran": {"exe_mode": runner.cfg.model_config.exe_mode, "dtype": runner.dtype_name, "plan": runner.plan.name}
+        | {"op_table": runner.context.op_table, "backend": runner.backend.name},
+    }
+
+
+def _merge_ranks(items: list[dict], runner: ModelRunner) -> list[dict]:
+    """Every rank's audit as one: an item fails if it fails on any rank (the first such rank named)."""
+    every = runtime.gather_objects(items, runner.parallel)
+    merged = []
+    for i, item in enumerate(items):
+        bad = [(r, mine[i]) for r, mine in enumerate(every) if mine[i]["status"] != "PASS"]
+        if len(every) > 1 and bad:
+            item = bad[0][1] | {"detail": f"rank {bad[0][0]}: {bad[0][1]['detail']}"}
+        merged.append(item)
+    return merged
 
 
 def relative_difference(cand: float, ref: float) -> float:

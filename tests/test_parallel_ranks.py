@@ -28,6 +28,7 @@ import tests.checkpoints as ckpt
 from executor.config import load_config
 from executor.platform import detect
 from executor.registry import default_config, runner_class
+from tests.tool_fixtures import DENSE_TP, MOE_DP, sk, world2
 from tools.measure import generate_ranks
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,24 +37,7 @@ PROMPTS = [[7, 42, 133, 250, 9, 311, 77, 400, 15], [5, 99, 301]]  # rows of diff
 EAGER = ["model_config.exe_mode=eager", "model_config.enable_superkernel=false"]
 GRAPH = ["model_config.exe_mode=ge_graph", "model_config.enable_superkernel=false"]
 
-
-def sk(plan: str) -> list[str]:
-    return [
-        "model_config.exe_mode=ge_graph",
-        "model_config.enable_superkernel=true",
-        f"model_config.superkernel.plan={plan}",
-    ]
-
-
-def world2(*sizes: str) -> list[str]:
-    return ["parallel_config.world_size=2", *(f"parallel_config.{s}" for s in sizes)]
-
-
-# upstream's qwen3_8b_2tp layout: attention and lm_head split, embedding whole (the tiny qwen3
-# ties them, so the two hold different blocks of one tensor)
-DENSE_TP = world2("attn_tp_size=2", "lmhead_tp_size=2")
 MOE_TP = world2("attn_tp_size=2", "moe_tp_size=2", "lmhead_tp_size=2", "embed_tp_size=2")  # experts' halves
-MOE_DP = world2("attn_tp_size=1", "moe_tp_size=1")  # attention DP 2 (a row each), EP 2 (4 experts each)
 
 # name -> (recipe, checkpoint fixture, layout, mode, expected collectives per decode step)
 JOBS = {

@@ -1,5 +1,6 @@
 """Tiny recipe configs shared by the tools tests (sk_compare, scope_search): a 1-layer model
-(config.json only, seeded random weights) so a real compiled run costs seconds."""
+(config.json only, seeded random weights) so a real compiled run costs seconds; and the
+override lists of the multi-rank tests (SuperKernel modes, 2-rank layouts)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,26 @@ scheduler_config:
   batch_size: 1
   max_new_tokens: 6
 """
+
+
+def sk(plan: str) -> list[str]:
+    """Overrides: ge_graph with SuperKernel plan `plan`."""
+    return [
+        "model_config.exe_mode=ge_graph",
+        "model_config.enable_superkernel=true",
+        f"model_config.superkernel.plan={plan}",
+    ]
+
+
+def world2(*sizes: str) -> list[str]:
+    """Overrides: two ranks with the given `*_tp_size=N` layout keys."""
+    return ["parallel_config.world_size=2", *(f"parallel_config.{s}" for s in sizes)]
+
+
+# upstream's qwen3_8b_2tp layout: attention and lm_head split, embedding whole (the tiny qwen3
+# ties them, so the two hold different blocks of one tensor)
+DENSE_TP = world2("attn_tp_size=2", "lmhead_tp_size=2")
+MOE_DP = world2("attn_tp_size=1", "moe_tp_size=1")  # attention DP 2 (a row each), EP 2 (4 experts each)
 
 
 def tiny_model(root: Path, arch: dict) -> Path:

@@ -6,7 +6,10 @@
 Compares per-region hidden states (every `layer_{i}`, prefill and decode steps) and the final
 logits by cosine, perplexity on an evaluation text through the decode path and through prefill,
 greedy-token agreement, and audits what ran (op implementations, scopes, dtype): see
-executor/accuracy.py. The gate: every cosine > --cosine-min (0.99), |PPL difference| <
+executor/accuracy.py. The reference is always one device; a multi-rank config
+(parallel_config.world_size > 1) runs the candidate on its ranks through torchrun
+(tools/rank_generate.py, rank logs in --out/ranks), every compared value gathered into the
+whole batch. The gate: every cosine > --cosine-min (0.99), |PPL difference| <
 --ppl-max-diff (10%), every audit item PASS. Writes accuracy.json, accuracy_report.md and
 accuracy_cosine.png (per-layer 1 - cosine) into --out.
 """
@@ -14,6 +17,7 @@ accuracy_cosine.png (per-layer 1 - cosine) into --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import io
 import json
@@ -28,8 +32,10 @@ if __package__ in (None, ""):  # `python tools/accuracy.py`: make the repo impor
 from executor import accuracy, ops
 from executor.config import ConfigError, read_text_file
 from executor.errors import run_command
+from executor.parallel.layout import Layout
 from executor.paths import MODELS_DIR, claim_output_dir, results_dir
 from executor.registry import recipe_parser
+from tools import measure
 from tools.measure import Progress
 from tools.startup import ToolStart, start
 
@@ -74,19 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_eval_tokens < 2 or (args.steps is not None and args.steps < 0):
         p.error("--max-eval-tokens must be >= 2 and --steps >= 0")
     st = start(args, "accuracy", owns_superkernel=False)
-    if (world := st.cfg.parallel_config.world_size) > 1:
-        raise ConfigError(
-            f"parallel_config.world_size: {world}: the accuracy tool compares two runners in one process, so it "
-            "runs one device (set world_size 1: every layout computes the same model); scope_search's accuracy "
-            "gate runs on several ranks"
-        )
     text_path, text = eval_text(args.model, args.text)
-    if args.ops and args.ops not in ops.registered():
-        raise ConfigError(f"--ops {args.ops}: not a registered op table; registered: {', '.join(ops.registered())}")
+    ops_modules = check_ops(args.ops, st.cfg.parallel_config.world_size)
     now = datetime.datetime.now()
     out = (Path(args.out) if args.out else results_dir(args.model, "accuracy", now)).resolve()
     with claim_output_dir(out, RESULTS):
-        result = evaluate(st, args, text, Progress("accuracy"))
+        result = evaluate(st, args, text, ops_modules, out, Progress("accuracy"))
         result |= {"tool": "accuracy", "model": args.model, "config": str(st.config), "overrides": args.overrides,
                    "text": str(text_path), "date": now.isoformat(timespec="seconds")}  # fmt: skip
         plot(out / PLOT, result)
@@ -101,43 +100,50 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if result["passed"] else 1
 
 
-def evaluate(st: ToolStart, args: argparse.Namespace, text: str, progress: Progress) -> dict:
-    cfg = st.cfg
-    progress("building the reference: eager, float32, reference ops ...")
-    ref = st.runner(accuracy.reference_config(cfg), st.platform, None, io.StringIO())
-    accuracy.use_reference_ops(ref)
-    mc = cfg.model_config
-    progress(f"building the candidate: {mc.exe_mode}, dtype {mc.dtype}, plan {ref_plan(cfg)} ...")
-    cand = st.runner(cfg, st.platform, None, io.StringIO())
-    if args.ops:
-        cand.backend.op_table = args.ops
-        cand.use_backend(cand.backend)
-    batch = cfg.scheduler_config.batch_size
-    accuracy.install_decode_taps(ref, cand, batch)
-    prompt_ids = cand.encode_prompts()
-    steps = cfg.scheduler_config.max_new_tokens - 1 if args.steps is None else args.steps
-    t0 = time.perf_counter()
-    regions = accuracy.compare_regions(ref, cand, prompt_ids, steps, progress)
-    with cand.session(batch):
-        active = ops.active()
+def check_ops(table: str | None, world: int) -> list[str]:
+    """--ops names a registered table; returns the modules defining it, which the ranks of a
+    multi-device candidate import to get it (they are other processes: a table registered only
+    here, e.g. in a script run as __main__, cannot reach them)."""
+    if not table:
+        return []
+    if table not in ops.registered():
+        raise ConfigError(f"--ops {table}: not a registered op table; registered: {', '.join(ops.registered())}")
+    modules = ops.defined_in(table)
+    if world > 1 and "__main__" in modules:
+        raise ConfigError(
+            f"--ops {table}: defined in __main__, which the {world} ranks cannot import; define and register the "
+            "table in an importable module"
+        )
+    return modules
+
+
+def evaluate(
+    st: ToolStart, args: argparse.Namespace, text: str, ops_modules: list[str], out: Path, progress: Progress
+) -> dict:
+    cfg, mc = st.cfg, st.cfg.model_config
+    world = cfg.parallel_config.world_size
+    if world > 1:  # the candidate's pre-flight (layout, memory of every rank) before anything is built
+        st.runner.check_before_run(cfg, st.platform, world)
+    progress("reference: one device, eager, float32, reference ops ...")
+    ref_runner = st.runner(accuracy.reference_config(cfg), st.platform, None, io.StringIO())
+    accuracy.use_reference_ops(ref_runner)
     capacity = cfg.data_config.input_truncated_len + cfg.scheduler_config.max_new_tokens
-    tokens = cand.tokenizer.encode(text)[: args.max_eval_tokens]
-    wins = accuracy.windows(tokens, capacity)
+    wins = accuracy.windows(ref_runner.tokenizer.encode(text)[: args.max_eval_tokens], capacity)
     if not wins:
         raise ConfigError("--text: the evaluation text has fewer than 2 tokens")
-    progress(f"perplexity on {len(tokens)} tokens in {len(wins)} window(s) of <= {capacity} ...")
-    ppl = {}
-    for side, runner in (("reference", ref), ("candidate", cand)):
-        decode = accuracy.perplexity_decode(runner, wins, batch)
-        prefill = accuracy.perplexity_prefill(runner, wins, batch)
-        ppl[side] = {"ppl": decode.ppl, "ppl_prefill": prefill.ppl, "tokens": decode.tokens}
-        progress(f"{side}: PPL {decode.ppl:.4f} through decode, {prefill.ppl:.4f} through prefill")
-    n = cfg.scheduler_config.max_new_tokens
-    greedy = accuracy.greedy_agreement(ref.generate(prompt_ids, n).token_ids, cand.generate(prompt_ids, n).token_ids)
-    items = accuracy.audit(cand, active)
+    steps = cfg.scheduler_config.max_new_tokens - 1 if args.steps is None else args.steps
+    inputs = accuracy.SideInputs(ref_runner.encode_prompts(), steps, wins, cfg.scheduler_config.max_new_tokens)
+    t0 = time.perf_counter()
+    ref = accuracy.measure_side(ref_runner, inputs, lambda m: progress(f"reference: {m}"))
+    del ref_runner
+    inputs.feed = ref["recording"]["fed"]  # the candidate decodes the reference's greedy tokens
+    where = f"on {world} ranks (torchrun; rank logs in {out / 'ranks'})" if world > 1 else "here"
+    progress(f"candidate: {mc.exe_mode}, dtype {mc.dtype}, plan {ref_plan(cfg)}, {where} ...")
+    cand = candidate(st, args, ops_modules, inputs, out / "ranks", progress)
+    regions = accuracy.compare(*(accuracy.Recording(**side["recording"]) for side in (ref, cand)))
     worst, cosine_min = regions.worst()
-    ppl_diff = accuracy.relative_difference(ppl["candidate"]["ppl"], ppl["reference"]["ppl"])
-    ppl_diff_prefill = accuracy.relative_difference(ppl["candidate"]["ppl_prefill"], ppl["reference"]["ppl_prefill"])
+    ppl_diff = accuracy.relative_difference(cand["ppl"], ref["ppl"])
+    ppl_diff_prefill = accuracy.relative_difference(cand["ppl_prefill"], ref["ppl_prefill"])
     reasons = []
     first_bad = regions.first_below(args.cosine_min)
     if first_bad:
@@ -145,14 +151,16 @@ def evaluate(st: ToolStart, args: argparse.Namespace, text: str, progress: Progr
     for name, diff in (("decode-path", ppl_diff), ("prefill", ppl_diff_prefill)):
         if not abs(diff) < args.ppl_max_diff / 100:
             reasons.append(f"{name} PPL differs by {100 * diff:+.2f}% (limit {args.ppl_max_diff:g}%)")
-    reasons += [f"audit {i['check']}: {i['detail']}" for i in items if i["status"] != "PASS"]
-    ran = {"exe_mode": mc.exe_mode, "dtype": cand.dtype_name, "plan": cand.plan.name}
-    ran |= {"op_table": cand.context.op_table, "backend": cand.backend.name}
+    reasons += [f"audit {i['check']}: {i['detail']}" for i in cand["audit"] if i["status"] != "PASS"]
+    ppl = {
+        side: {k: d[k] for k in ("ppl", "ppl_prefill", "tokens")}
+        for side, d in (("reference", ref), ("candidate", cand))
+    }
     return {
         "passed": not reasons,
         "reasons": reasons,
         "reference": ppl["reference"],
-        "candidate": ppl["candidate"] | ran,
+        "candidate": ppl["candidate"] | cand["ran"],
         "ppl_diff": ppl_diff,
         "ppl_diff_prefill": ppl_diff_prefill,
         "cosine_min": cosine_min,
@@ -160,12 +168,48 @@ def evaluate(st: ToolStart, args: argparse.Namespace, text: str, progress: Progr
         "first_region_below_gate": first_bad,
         "regions": {"prefill": regions.prefill, "decode": regions.decode},
         "decode_steps_compared": steps,
-        "greedy": greedy,
-        "audit": items,
+        "greedy": accuracy.greedy_agreement(ref["greedy_tokens"], cand["greedy_tokens"]),
+        "audit": cand["audit"],
+        "world_size": world,
+        "parallel": Layout.from_config(cfg.parallel_config).describe(),
+        "rows_compared": rows_compared(cfg),
         "gate": {"cosine_min": args.cosine_min, "ppl_max_diff_percent": args.ppl_max_diff},
         "platform": st.platform.describe(),
         "seconds": round(time.perf_counter() - t0, 1),
     }
+
+
+def candidate(
+    st: ToolStart, args: argparse.Namespace, ops_modules: list[str], inputs: accuracy.SideInputs, work: Path, progress
+) -> dict:
+    """The configured run's side (accuracy.measure_side): here on one device; on several, on its
+    ranks started by torchrun (tools/rank_generate.py), rank 0's whole-batch result."""
+    world = st.cfg.parallel_config.world_size
+    if world == 1:
+        runner = st.runner(st.cfg, st.platform, None, io.StringIO())
+        if args.ops:
+            accuracy.use_op_table(runner, args.ops)
+        return accuracy.measure_side(runner, inputs, lambda m: progress(f"candidate: {m}"))
+    spec = dataclasses.asdict(inputs) | {"ops": args.ops, "ops_modules": ops_modules}
+    job = {"model": st.model, "config": str(st.config), "overrides": list(args.overrides), "accuracy": spec}
+    (result,) = measure.generate_ranks([job], world, st.platform, work)
+    return result
+
+
+def rows_compared(cfg) -> str:
+    """Which candidate values the cosines compare, in words (the report says it)."""
+    layout = Layout.from_config(cfg.parallel_config)
+    if layout.world == 1:
+        return "one device: every row of the batch"
+    share = cfg.scheduler_config.batch_size // layout.attn_dp
+    groups = ", ".join(
+        f"rows {g * share}-{(g + 1) * share - 1} from rank {g * layout.attn_tp}" for g in range(layout.attn_dp)
+    )
+    return (
+        f"each layer's output as its rank holds it (under tensor parallelism complete, after the layer's all-reduce); "
+        f"{groups} (the first rank of each attention-DP group), gathered into the whole batch and compared row for "
+        "row with the reference"
+    )
 
 
 def ref_plan(cfg) -> str:
@@ -204,8 +248,12 @@ def render(r: dict) -> str:
         "",
         f"**{'PASSED' if r['passed'] else 'FAILED'}**" + ("" if r["passed"] else ": " + "; ".join(r["reasons"])),
         "",
-        f"Reference: the same checkpoint, eager, float32, reference ops. Platform: {r['platform']}. "
+        f"Reference: the same checkpoint, one device, eager, float32, reference ops. Platform: {r['platform']}. "
         f"Config `{r['config']}`, overrides {', '.join(f'`{o}`' for o in r['overrides']) or 'none'}.",
+        "",
+        f"Candidate: {r['world_size']} rank(s), layout "
+        + ", ".join(f"{k} {v}" for k, v in r["parallel"].items() if k != "world")
+        + f". Values compared: {r['rows_compared']}.",
         "",
         "## Gate",
         "",

@@ -454,7 +454,8 @@ def generate(
 def generate_ranks(jobs: list[dict], world_size: int, platform, work_dir: Path) -> list[dict]:
     """Run `jobs` ({model, config, overrides, tokens, prompt_ids}) one after another on `world_size`
     ranks started by torchrun (tools/rank_generate.py); rank 0's result per job: the batch's
-    tokens and logits and what the decode step reported. Rank logs are in `work_dir`."""
+    tokens and logits and what the decode step reported (a job with an `accuracy` entry: the
+    accuracy tool's candidate side instead). Rank logs are in `work_dir`."""
     import torch
 
     from executor.parallel import launch
@@ -467,7 +468,7 @@ def generate_ranks(jobs: list[dict], world_size: int, platform, work_dir: Path) 
     spec.write_text(json.dumps({"out": str(work_dir), "jobs": jobs}))
     plan = launch.plan(world_size, "", platform, "tools.rank_generate", ["--jobs", str(spec)])
     if launch.launch(plan, work_dir) != 0:
-        raise MeasureError(f"{world_size}-rank generation failed (rank logs in {work_dir})")
+        raise MeasureError(f"{world_size}-rank run failed (rank logs in {work_dir})")
     return [torch.load(job["save"]) for job in jobs]
 
 

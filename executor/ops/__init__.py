@@ -60,6 +60,12 @@ def provenance(table: str) -> dict[str, str]:
     return {op: "own" if op in own else "base" if base else "fallback" for op in OP_NAMES}
 
 
+def defined_in(name: str) -> list[str]:
+    """The modules defining table `name`'s own functions: what another process (a rank of a
+    multi-device run) imports to get a table that its module registers when imported."""
+    return sorted({_TABLES[name][op].__module__ for op in _OWN[name]} - {reference.__name__})
+
+
 def registered() -> list[str]:
     return list(_TABLES)
 
