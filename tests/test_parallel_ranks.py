@@ -50,7 +50,6 @@ JOBS = {
     "kv1_tp_eager": ("qwen", "kv1", DENSE_TP, EAGER, {"all_reduce": 4, "all_gather": 1}),
     "moe_tp_eager": ("qwen3_moe", "moe", MOE_TP, EAGER, {"all_reduce": 3, "all_gather": 1}),
     "moe_tp_graph": ("qwen3_moe", "moe", MOE_TP, GRAPH, {"all_reduce": 3, "all_gather": 1}),
-    "moe_tp_sk_moe": ("qwen3_moe", "moe", MOE_TP, sk("moe"), {"all_reduce": 3, "all_gather": 1}),
     "moe_tp_sk_decoder": ("qwen3_moe", "moe", MOE_TP, sk("decoder"), {"all_reduce": 3, "all_gather": 1}),
     "moe_dp_eager": ("qwen3_moe", "moe", MOE_DP, EAGER, {"all_reduce": 2}),  # token gather + combine
     "moe_dp_graph": ("qwen3_moe", "moe", MOE_DP, GRAPH, {"all_reduce": 2}),

@@ -299,12 +299,6 @@ def test_more_ranks_than_devices_is_an_error_before_anything_starts(tmp_path, ca
     assert not (tmp_path / "o").exists()
 
 
-def test_accuracy_tool_on_a_multi_rank_config_says_what_to_do(tmp_path, capsys):
-    args = ["accuracy", *W2, "--out", str(tmp_path / "o")]
-    line = assert_user_error(CompletedRun(cli_main(args), capsys.readouterr()), "parallel_config.world_size: 2")
-    assert "one device" in line and "scope_search" in line and not (tmp_path / "o").exists()
-
-
 def test_torchrun_options_that_this_command_sets_are_refused(tmp_path, capsys):
     args = ["run", *W2, "--torchrun", "--nproc-per-node 4", "--out", str(tmp_path / "o")]
     assert_user_error(CompletedRun(cli_main(args), capsys.readouterr()), "--torchrun", "--nproc-per-node")

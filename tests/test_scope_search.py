@@ -25,7 +25,7 @@ from tools.measure import check_accuracy
 REPO = Path(__file__).resolve().parent.parent
 
 DENSE_SPACE = """\
-builtin_plans: [attention, moe, decoder]   # moe: not applicable to a dense model
+builtin_plans: [moe, decoder]   # moe: not applicable to a dense model
 option_variants: {npu: ["stream-fusion=1"], cpu: []}
 custom:
   - name: attn_ffn_split
@@ -87,7 +87,7 @@ def test_dense_search_with_no_budget_measures_nothing_and_says_how_to_resume(den
     assert rc == 1 and "unfinished" in stdout and f"--out {dense_search.out}" in stdout
     status = dense_search.budget_status
     assert status["state"] == "budget"
-    assert list(status["candidates"]) == ["baseline", "attention", "decoder", "attn_ffn_split", "nested"]
+    assert list(status["candidates"]) == ["baseline", "decoder", "attn_ffn_split", "nested"]
     assert {c["status"] for c in status["candidates"].values()} == {"pending"}
     assert [s["name"] for s in status["skipped"]] == ["moe", "other_model"]
 
@@ -100,7 +100,7 @@ def test_dense_search_resumes_ranks_and_applies_the_winner(dense_search):
     # 1-layer model's SuperKernel plans can be); tests/test_reliability.py pins both outcomes.
     refused = status["apply_refused"]
     assert rc == (1 if refused else 0), stdout + err
-    assert "resuming" in err and "0 of 5 candidate(s) already finished" in err
+    assert "resuming" in err and "0 of 4 candidate(s) already finished" in err
     recs = status["candidates"]
     assert status["state"] == "complete"
     assert recs["nested"]["status"] == "failed" and "nested" in recs["nested"]["reason"]
@@ -124,8 +124,8 @@ def test_dense_search_resumes_ranks_and_applies_the_winner(dense_search):
         assert recs[n]["speedup_vs_baseline"] == pytest.approx(ms["baseline"] / ms[n])
         assert recs[n]["winner_speedup_over"] == pytest.approx(ms[n] / ms[winner])
     table = pd.read_csv(out / "scope_search.csv")
-    assert list(table["candidate"][:4]) == sorted(measured, key=ms.get)
-    assert table["rank"][:4].tolist() == [1, 2, 3, 4]
+    assert list(table["candidate"][:3]) == sorted(measured, key=ms.get)
+    assert table["rank"][:3].tolist() == [1, 2, 3]
     assert table["status"].tolist()[-1] == "failed"
     report = (out / "scope_search_report.md").read_text()
     assert "portable measurement on CPU, not an Ascend result" in report.splitlines()[2]
@@ -133,7 +133,7 @@ def test_dense_search_resumes_ranks_and_applies_the_winner(dense_search):
     assert "| worst cosine | PPL (diff) |" in report and f"{status['reference_ppl']:.4f}" in report
     assert (out / "scope_search.png").read_bytes()[:4] == b"\x89PNG"
     results = json.loads((out / "scope_search_results.json").read_text())
-    assert results["winner"] == winner and len(results["ranking"]) == 5
+    assert results["winner"] == winner and len(results["ranking"]) == 4
     if refused:
         assert config.read_text() == before and not list(dense_search.tmp.glob("recipe.yaml.bak-*"))
         assert [ln for ln in err.splitlines() if "--apply refused" in ln] == [
@@ -168,7 +168,7 @@ def test_dense_search_restart_redoes_only_what_is_unfinished(dense_search):
     kept = {n: (out / "logs" / f"{n}.1.log").stat().st_mtime_ns for n in measured if n != winner}
     rc, stdout, err = search_captured(*dense_search.common)
     assert rc == 0, stdout + err
-    assert "4 of 5 candidate(s) already finished" in err
+    assert "3 of 4 candidate(s) already finished" in err
     assert f"{winner} run 1/1" in err and all(f"{n} run 1/1" not in err for n in kept)
     assert {n: (out / "logs" / f"{n}.1.log").stat().st_mtime_ns for n in kept} == kept
 
