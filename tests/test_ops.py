@@ -96,6 +96,27 @@ def test_attention_matches_sdpa_with_expanded_gqa(hq, hkv):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+def _explicit_attention(q, k, v, masked_out, scale):
+    g = q.shape[1] // k.shape[1]
+    scores = q @ k.repeat_interleave(g, 1).transpose(-1, -2) * scale
+    return scores.masked_fill(masked_out, float("-inf")).softmax(-1) @ v.repeat_interleave(g, 1)
+
+
+def test_prefill_attention_causal_and_other_square_masks():
+    """A square causal mask takes SDPA's is_causal path; a square mask that is not causal (here a
+    query that may not see slot 0) must still be honoured, not mistaken for the causal one."""
+    torch.manual_seed(4)
+    b, hq, hkv, s, d, scale = 2, 4, 2, 6, 8, 0.3
+    q, k, v = torch.randn(b, hq, s, d), torch.randn(b, hkv, s, d), torch.randn(b, hkv, s, d)
+    causal = (torch.arange(s).view(1, 1, 1, s) > torch.arange(s).view(1, 1, s, 1)).expand(b, 1, s, s).clone()
+    other = causal.clone()
+    other[1, 0, 3, 0] = True
+    for mask in (causal, other):
+        expected = _explicit_attention(q, k, v, mask, scale)
+        torch.testing.assert_close(reference.attention(q, k, v, mask, scale), expected, rtol=1e-5, atol=1e-5)
+    assert reference._is_causal(causal) and not reference._is_causal(other)
+
+
 def test_attention_mask_polarity_true_means_ignored():
     q = torch.ones(1, 1, 1, 2)
     k = torch.ones(1, 1, 3, 2)
