@@ -203,6 +203,35 @@ def test_kv_update_stays_in_place_in_a_compiled_step():
     assert "empty_strided_cpu((1, 2, 512, 8)" not in "".join(code)
 
 
+def test_large_tensors_get_huge_pages(tmp_path):
+    """Importing executor asks PyTorch's allocator for transparent huge pages (THP_MEM_ALLOC_ENABLE)
+    before the first tensor exists, so a 64 MiB tensor lands on 2 MiB pages where the kernel
+    allows them on request; a value the user set is kept."""
+    import os
+    import subprocess
+    import sys
+
+    from executor import thp_mode
+
+    if thp_mode() not in ("madvise", "always"):
+        pytest.skip(f"transparent huge pages: {thp_mode()}")
+    code = (
+        "import os, executor, torch\n"
+        "x = torch.ones(1 << 24)\n"
+        "huge = [l.split()[1] for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages')]\n"
+        "print(os.environ['THP_MEM_ALLOC_ENABLE'], int(huge[0]) >= 32 * 1024)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    root = str(Path(__file__).resolve().parent.parent)
+
+    def run(**extra) -> str:
+        out = subprocess.run([sys.executable, "-c", code], env=env | extra, cwd=root, capture_output=True, text=True)
+        return out.stdout.strip()
+
+    assert run() == "1 True"
+    assert run(THP_MEM_ALLOC_ENABLE="0").startswith("0 ")
+
+
 def test_openmp_wait_policy_follows_the_host(tmp_path):
     """executor picks the OpenMP wait policy before torch loads (benchmarks/load_bench.py: spinning
     threads made ge_graph decode 60-90x slower next to a busy neighbour, sleeping ones made idle
