@@ -30,16 +30,21 @@ def test_only_single_row_linears_above_inductors_own_limit_are_rewritten():
     assert _gemv_to_reduction(gm) == 1  # big(x) only: small is Inductor's, y has two rows
     linears = [n for n in gm.graph.nodes if n.target is torch._C._nn.linear]
     assert len(linears) == 2
+    # The row is stored before the reduction reads it, so Inductor cannot recompute whatever made
+    # it (a norm) once per weight row inside the reduction.
+    force = torch.ops.prims.inductor_force_stride_order.default
+    assert [n.target for n in gm.graph.nodes].count(force) == 1
 
 
 @pytest.mark.parametrize("superkernel", [False, True])
 def test_large_gemv_compiles_to_the_same_result(superkernel):
     torch.manual_seed(0)
     lin = torch.nn.Linear(256, 3 * INDUCTOR_DECOMPOSE_MAX_DIM)
+    norm = torch.nn.RMSNorm(256, eps=1e-6)
 
     def step(x, _positions):
         with superkernel_scope(superkernel, "big", ""):
-            return torch.relu(lin(x)).sum(-1)
+            return torch.relu(lin(norm(x + 1.0))).sum(-1)
 
     x = torch.randn(1, 1, 256)
     with torch.no_grad():

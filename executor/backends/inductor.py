@@ -70,8 +70,13 @@ def _gemv_to_reduction(gm: torch.fx.GraphModule) -> int:
     lm_head) MKL's sgemv streamed them at ~17 GB/s on the 2-core reference machine against
     ~35 GB/s for the vectorised reduction Inductor generates from this form. Applied to every
     compiled CPU decode graph (ge_graph with or without SuperKernel), only to GEMVs larger than
-    Inductor's own M=1 decomposition takes. Returns how many linears were rewritten.
+    Inductor's own M=1 decomposition takes. The input row is materialised first (Inductor's
+    force_stride_order copy): left to Inductor, the norm before a projection was recomputed
+    inside the reduction per weight row, which made the bf16 0.6B-shape step compute-bound
+    (SK decoder 63 -> 37 ms/step once stored; BENCHMARKS.md). Returns how many linears were rewritten.
     """
+    import torch._inductor.inductor_prims  # noqa: F401  (registers prims.inductor_force_stride_order)
+
     rewritten = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not torch._C._nn.linear:
@@ -85,6 +90,11 @@ def _gemv_to_reduction(gm: torch.fx.GraphModule) -> int:
         if max(weight.shape) <= INDUCTOR_DECOMPOSE_MAX_DIM:  # Inductor's own pass does small ones better
             continue
         with gm.graph.inserting_before(node):
+            # Store the input row before the reduction reads it: otherwise Inductor inlines the
+            # pointwise chain that made it (the residual add and RMSNorm) into the reduction's
+            # body and recomputes it for every one of the N output rows.
+            force = torch.ops.prims.inductor_force_stride_order.default
+            x = gm.graph.call_function(force, (x, tuple(value.stride())))
             row = gm.graph.call_method("unsqueeze", (x, -2))  # (..., 1, K)
             out = gm.graph.call_method("sum", (gm.graph.call_function(operator.mul, (row, w)), -1))  # (..., N)
             if bias is not None:
