@@ -75,7 +75,8 @@ def _gemv_to_reduction(gm: torch.fx.GraphModule) -> int:
     inside the reduction per weight row, which made the bf16 0.6B-shape step compute-bound
     (SK decoder 63 -> 37 ms/step once stored; BENCHMARKS.md). Returns how many linears were rewritten.
     """
-    import torch._inductor.inductor_prims  # noqa: F401  (registers prims.inductor_force_stride_order)
+    # Importing it registers prims.inductor_force_stride_order.
+    import torch._inductor.inductor_prims
 
     rewritten = 0
     for node in list(gm.graph.nodes):
