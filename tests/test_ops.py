@@ -203,7 +203,7 @@ def test_kv_update_stays_in_place_in_a_compiled_step():
     assert "empty_strided_cpu((1, 2, 512, 8)" not in "".join(code)
 
 
-def test_large_tensors_get_huge_pages(tmp_path):
+def test_large_tensors_get_huge_pages():
     """Importing executor asks PyTorch's allocator for transparent huge pages (THP_MEM_ALLOC_ENABLE)
     before the first tensor exists, so a 64 MiB tensor lands on 2 MiB pages where the kernel
     allows them on request; a value the user set is kept."""
