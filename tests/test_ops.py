@@ -115,6 +115,11 @@ def test_prefill_attention_causal_and_other_square_masks():
         expected = _explicit_attention(q, k, v, mask, scale)
         torch.testing.assert_close(reference.attention(q, k, v, mask, scale), expected, rtol=1e-5, atol=1e-5)
     assert reference._is_causal(causal) and not reference._is_causal(other)
+    causal[0, 0, 2, 1] = True  # changed in place after its verdict was kept: checked again
+    assert not reference._is_causal(causal)
+    with torch.inference_mode():  # no version counter there: checked every time, no error
+        fresh = torch.ones(s, s, dtype=torch.bool).triu(1).expand(b, 1, s, s)
+        assert reference._is_causal(fresh)
 
 
 def test_attention_mask_polarity_true_means_ignored():
