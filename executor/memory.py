@@ -17,7 +17,9 @@ What is counted, in bytes (an estimate meant to be within a small factor, not ex
 - activations of the largest step (the prefill of a row group, or a decode step of the whole
   batch): fp32 attention scores over the whole static cache, the k/v broadcast to every query
   head, the FFN's intermediate, hidden-size buffers and the fp32 logits;
-- compile: graph modes trace and compile the decode step inside this process.
+- compile: graph modes trace and compile the decode step inside this process; on CPU with more
+  than one row per step, the decode graph also keeps a oneDNN-packed copy of its large weights
+  (executor.backends.packed_linear), counted as one more copy of all of them.
 Several devices (parallel_config): the estimate is per rank, from the rank's part of the model
 (parameters counted on its meta model), its attention-DP share of the batch rows, its KV heads
 and query heads, its experts and intermediate slices (tokens gathered from every attention-DP
@@ -40,6 +42,7 @@ from pathlib import Path
 import torch
 
 from executor.arch import ModelArch
+from executor.backends import packed_linear
 from executor.config import RunConfig
 from executor.errors import RecipeError
 from executor.parallel.layout import ONE_DEVICE, Layout
@@ -275,6 +278,8 @@ def estimate(
             fill = 2 * params.largest * 4  # init_random: an fp32 randn of the largest parameter and its scaled copy
         loading = max(build, fill)
         compile_bytes = COMPILE_BASE + COMPILE_PER_LAYER * arch.num_layers if graph else 0
+        if graph and b > 1 and packed_linear.supported(dtype):
+            compile_bytes += n * eb
     else:  # weights are built and loaded on the host, then moved; graphs keep their own buffers on the device
         loading = 0
         compile_bytes = step(b, 1) if graph else 0

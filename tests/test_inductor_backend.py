@@ -1,13 +1,16 @@
-"""The CPU graph mode's lowering of large decode GEMVs (executor.backends.inductor).
+"""The CPU graph mode's lowerings of large decode GEMMs (executor.backends.inductor and
+executor.backends.packed_linear): single-row GEMVs become generated reductions, batched ones
+oneDNN calls on weights packed once.
 
-The tiny test models never reach the size where a GEMV is rewritten, so this checks the
-rewrite directly: which linears it takes, and that compiled code computes the same thing, with
-and without a SuperKernel scope around it.
+The tiny test models never reach the size where either rewrite applies, so this checks them
+directly: which linears they take, and that compiled code computes the same thing, with and
+without a SuperKernel scope around it.
 """
 
 import pytest
 import torch
 
+from executor.backends import packed_linear
 from executor.backends.inductor import INDUCTOR_DECOMPOSE_MAX_DIM, _gemv_to_reduction, compile_inductor
 from executor.scope import superkernel_scope
 
@@ -55,3 +58,44 @@ def test_large_gemv_compiles_to_the_same_result(superkernel):
     if superkernel:
         scope = compiled.compiler.stats.scopes["big"]
         assert scope.segments == 1 and scope.launches == 1
+
+
+def test_batched_linears_above_the_size_limit_become_packed_calls():
+    big = torch.nn.Linear(512, packed_linear.MIN_WEIGHT_NUMEL // 512)
+    small = torch.nn.Linear(512, 32)
+    gm = _trace(lambda x, y: (big(x), small(x), big(y)), torch.randn(4, 1, 512), torch.randn(1, 1, 512))
+    assert packed_linear.pack_batched_linears(gm) == 1  # big(x) only: small is below the limit, y is one row
+    targets = [n.target for n in gm.graph.nodes]
+    assert targets.count(torch.ops.cann_cpu.packed_linear.default) == 1
+    assert targets.count(torch._C._nn.linear) == 2
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("superkernel", [False, True])
+def test_batched_linears_compile_to_the_same_result_packing_each_weight_once(superkernel, dtype):
+    if not packed_linear.supported(dtype):
+        pytest.skip(f"oneDNN does not run {dtype} natively on this CPU")
+    torch.manual_seed(0)
+    up = torch.nn.Linear(256, packed_linear.MIN_WEIGHT_NUMEL // 256).to(dtype)  # with a bias
+    down = torch.nn.Linear(up.out_features, 256, bias=False).to(dtype)
+
+    def step(x, _positions):
+        with superkernel_scope(superkernel, "ffn", ""):
+            return down(torch.relu(up(x * 2.0)))
+
+    x = torch.randn(3, 1, 256, dtype=dtype)
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    with torch.no_grad():
+        compiled = compile_inductor(step, superkernel, "cpu")
+        torch.testing.assert_close(compiled(x, None), step(x, None), **tol)
+        first = {w: packed_linear._packed[w][2] for w in (up.weight, down.weight)}
+        compiled(x, None)
+        assert all(packed_linear._packed[w][2] is p for w, p in first.items())  # packed once, reused
+        up.weight.mul_(-1.0)  # changed in place: packed again, never stale
+        torch.testing.assert_close(compiled(x, None), step(x, None), **tol)
+        assert packed_linear._packed[up.weight][2] is not first[up.weight]
+    if superkernel:
+        assert compiled.compiler.stats.scopes["ffn"].segments == 1  # the op joined the scope's launch unit

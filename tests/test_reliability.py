@@ -170,6 +170,19 @@ def test_memory_estimate_counts_what_the_run_allocates(tmp_path):
     assert est.checked and est.available > 0 and est.peak > est.needed
 
 
+def test_memory_estimate_counts_the_packed_weights_of_a_batched_cpu_graph(tmp_path):
+    """With more than one row per decode step, a CPU graph keeps a oneDNN-packed copy of its large
+    weights (executor.backends.packed_linear): the estimate adds one more copy of the weights."""
+    model = write_model(tmp_path / "model", TINY_DENSE)
+
+    def estimate(*overrides: str):
+        cfg = load_config(None, [f"model_config.model_path={model}", "model_config.exe_mode=ge_graph", *overrides])
+        return QwenRunner(cfg, detect("cpu")).memory
+
+    one, two = estimate("scheduler_config.batch_size=1"), estimate("scheduler_config.batch_size=2")
+    assert two.compile - one.compile == two.weights
+
+
 # ----------------------------------------------------------------------------- NaN / inf
 def _poisoned_copy(src: Path, dst: Path, tensor: str, row: int | None = None) -> Path:
     shutil.copytree(src, dst)

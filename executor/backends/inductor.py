@@ -48,6 +48,7 @@ from executor.backends.base import (
     cache_root,
     keyed_cache_dir,
 )
+from executor.backends.packed_linear import pack_batched_linears
 from executor.errors import RecipeError
 from executor.scope import SCOPE_ENTER, SCOPE_EXIT, parse_options
 
@@ -105,6 +106,13 @@ def _gemv_to_reduction(gm: torch.fx.GraphModule) -> int:
         rewritten += 1
     gm.recompile()
     return rewritten
+
+
+def _lower_cpu_gemms(gm: torch.fx.GraphModule) -> None:
+    """The decode GEMMs' CPU lowerings, before Inductor: large single-row ones become generated
+    reductions, batched ones oneDNN calls on weights packed once (executor.backends.packed_linear)."""
+    _gemv_to_reduction(gm)
+    pack_batched_linears(gm)
 
 
 class ScopeCheckError(RecipeError):
@@ -219,7 +227,7 @@ class _Segment(torch.nn.Module):
             # Inductor's own cudagraphs silently skip graphs that mutate inputs, like the KV cache).
             patch = CPU_LAUNCH_UNIT if self.fused and self.device == "cpu" else {}
             if self.device == "cpu":
-                _gemv_to_reduction(self.gm)
+                _lower_cpu_gemms(self.gm)
             with inductor_config.patch(patch):
                 self.fn = compile_fx(self.gm, _fake_inputs(args))
             if self.fused and self.device == "cuda":
@@ -268,7 +276,7 @@ class GraphCompiler:
             from torch._inductor.compile_fx import compile_fx
 
             if self.device == "cpu":
-                _gemv_to_reduction(gm)
+                _lower_cpu_gemms(gm)
             return compile_fx(gm, example_inputs)
         return self._split(gm)
 

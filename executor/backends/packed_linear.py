@@ -1,0 +1,96 @@
+"""Decode GEMMs with a few rows (batch > 1) on CPU: oneDNN with each weight packed once.
+
+Why: a batched decode step multiplies a handful of rows (M = batch, 2-64) by every weight
+matrix, so it is still a stream over the weights. aten's linear re-lays the weight out on every
+call at these shapes: on the 2-core reference machine it streamed a 100 MB fp32 weight at 5-6
+GB/s for M = 4-16 (MKL sgemm) and a bf16 one at 11-16 GB/s (oneDNN with a per-call reorder),
+against ~30 GB/s of read bandwidth. With the weight reordered once into oneDNN's blocked layout
+(`mkldnn._reorder_linear_weight`, the packing Inductor's freezing does), the same call ran at
+27-29 GB/s for M = 4 in both dtypes and at the compute rate for M = 16 (BENCHMARKS.md).
+
+The packed copy is made on the first decode call from the live weight and kept next to it (a
+weak map, dropped with the weight; remade if the weight is changed in place), so the compiled
+graph keeps taking the model's own parameters and the eager prefill keeps using them. The cost
+is memory: one more copy of every packed weight (executor.memory counts it).
+
+`pack_batched_linears` is the FX pass (run by executor.backends.inductor on CPU decode graphs
+before Inductor sees them); `cann_cpu::packed_linear` is the op it puts in their place, one
+opaque extern call, so it also sits inside a SuperKernel scope's launch unit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+# Weights smaller than this (elements) stay with aten: they sit in cache, and the op's Python
+# dispatch (~10 us) would cost more than the reorder saves (the overhead-bound sizes' weights
+# are all below it; every Qwen3-0.6B projection is above).
+MIN_WEIGHT_NUMEL = 1 << 20
+
+_packed: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> (its version, rows hint, packed copy)
+
+
+def supported(dtype: torch.dtype) -> bool:
+    """oneDNN is in this torch build and runs `dtype` natively on this CPU (bf16 needs avx512_bf16
+    or AMX; without them oneDNN emulates it, slower than aten)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _packed_weight(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    version = None if weight.is_inference() else weight._version  # inference tensors keep no version
+    hit = _packed.get(weight)
+    if hit is not None and hit[0] == version and hit[1] == rows:
+        return hit[2]
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+    _packed[weight] = (version, rows, packed)
+    return packed
+
+
+@torch.library.custom_op("cann_cpu::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`linear(x, weight, bias)` through oneDNN with `weight` packed once for x's row count."""
+    rows = x.numel() // x.shape[-1]
+    return torch.ops.mkldnn._linear_pointwise(x, _packed_weight(weight, rows), bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def packed_count() -> int:
+    """Weights packed and alive in this process (tests, metrics)."""
+    return len(_packed)
+
+
+def pack_batched_linears(gm: torch.fx.GraphModule) -> int:
+    """Replace every `linear` with more than one input row and a weight of at least
+    MIN_WEIGHT_NUMEL elements by `cann_cpu::packed_linear`. Single-row linears are left to the
+    GEMV lowering. Returns how many were replaced (0 where oneDNN cannot run the dtype natively)."""
+    replaced = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch._C._nn.linear:
+            continue
+        x, w = node.args[0], node.args[1]
+        value = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
+        weight = w.meta.get("example_value") if isinstance(w, torch.fx.Node) else None
+        if not isinstance(value, torch.Tensor) or not isinstance(weight, torch.Tensor):
+            continue
+        if value.numel() == value.shape[-1] or weight.numel() < MIN_WEIGHT_NUMEL or not supported(weight.dtype):
+            continue
+        if value.dtype != weight.dtype or weight.dim() != 2:
+            continue
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        with gm.graph.inserting_before(node):
+            out = gm.graph.call_function(torch.ops.cann_cpu.packed_linear.default, (x, w, bias))
+        out.meta.update(node.meta)
+        node.replace_all_uses_with(out)
+        gm.graph.erase_node(node)
+        replaced += 1
+    gm.recompile()
+    return replaced
