@@ -6,7 +6,8 @@ call at these shapes: on the 2-core reference machine it streamed a 100 MB fp32 
 GB/s for M = 4-16 (MKL sgemm) and a bf16 one at 11-16 GB/s (oneDNN with a per-call reorder),
 against ~30 GB/s of read bandwidth. With the weight reordered once into oneDNN's blocked layout
 (`mkldnn._reorder_linear_weight`, the packing Inductor's freezing does), the same call ran at
-27-29 GB/s for M = 4 in both dtypes and at the compute rate for M = 16 (BENCHMARKS.md).
+27-29 GB/s for M = 4 in both dtypes, and at 140 (fp32) / 290 (bf16) GFLOP/s for M = 16
+(BENCHMARKS.md, "fourth pass").
 
 The packed copy is made on the first decode call from the live weight and kept next to it (a
 weak map, dropped with the weight; remade if the weight is changed in place), so the compiled
@@ -23,9 +24,10 @@ from __future__ import annotations
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-# Weights smaller than this (elements) stay with aten: they sit in cache, and the op's Python
-# dispatch (~10 us) would cost more than the reorder saves (the overhead-bound sizes' weights
-# are all below it; every Qwen3-0.6B projection is above).
+# Weights smaller than this (elements) stay with aten: they sit in cache, and a call of this op
+# (Python dispatch plus oneDNN's per-call setup, ~30 us on a 64 x 64 weight) would cost more than
+# the reorder saves. The overhead-bound sizes' weights are all below it; every Qwen3-0.6B
+# projection is above.
 MIN_WEIGHT_NUMEL = 1 << 20
 
 _packed: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> (its version, rows hint, packed copy)
