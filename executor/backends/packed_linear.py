@@ -65,11 +65,6 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def packed_count() -> int:
-    """Weights packed and alive in this process (tests, metrics)."""
-    return len(_packed)
-
-
 def pack_batched_linears(gm: torch.fx.GraphModule) -> int:
     """Replace every `linear` with more than one input row and a weight of at least
     MIN_WEIGHT_NUMEL elements by `cann_cpu::packed_linear`. Single-row linears are left to the
