@@ -91,11 +91,11 @@ def test_batched_linears_compile_to_the_same_result_packing_each_weight_once(sup
     with torch.no_grad():
         compiled = compile_inductor(step, superkernel, "cpu")
         torch.testing.assert_close(compiled(x, None), step(x, None), **tol)
-        first = {w: packed_linear._packed[w][2] for w in (up.weight, down.weight)}
+        first = {w: packed_linear._packed.kept(w) for w in (up.weight, down.weight)}
         compiled(x, None)
-        assert all(packed_linear._packed[w][2] is p for w, p in first.items())  # packed once, reused
+        assert all(packed_linear._packed.kept(w) is p for w, p in first.items())  # packed once, reused
         up.weight.mul_(-1.0)  # changed in place: packed again, never stale
         torch.testing.assert_close(compiled(x, None), step(x, None), **tol)
-        assert packed_linear._packed[up.weight][2] is not first[up.weight]
+        assert packed_linear._packed.kept(up.weight) is not first[up.weight]
     if superkernel:
         assert compiled.compiler.stats.scopes["ffn"].segments == 1  # the op joined the scope's launch unit

@@ -9,8 +9,8 @@ against ~30 GB/s of read bandwidth. With the weight reordered once into oneDNN's
 27-29 GB/s for M = 4 in both dtypes, and at 140 (fp32) / 290 (bf16) GFLOP/s for M = 16
 (BENCHMARKS.md, "fourth pass").
 
-The packed copy is made on the first decode call from the live weight and kept next to it (a
-weak map, dropped with the weight; remade if the weight is changed in place), so the compiled
+The packed copy is made on the first decode call from the live weight and kept next to it
+(executor.memo: dropped with the weight, remade if the weight is changed in place), so the compiled
 graph keeps taking the model's own parameters and the eager prefill keeps using them. The cost
 is memory: one more copy of every packed weight (executor.memory counts it).
 
@@ -22,7 +22,8 @@ opaque extern call, so it also sits inside a SuperKernel scope's launch unit.
 from __future__ import annotations
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
+
+from executor.memo import TensorMemo
 
 # Weights smaller than this (elements) stay with aten: they sit in cache, and a call of this op
 # (Python dispatch plus oneDNN's per-call setup, ~30 us on a 64 x 64 weight) would cost more than
@@ -30,7 +31,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 # projection is above.
 MIN_WEIGHT_NUMEL = 1 << 20
 
-_packed: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> (its version, rows hint, packed copy)
+_packed: TensorMemo[torch.Tensor] = TensorMemo()  # weight -> its packed copy, per rows hint
 
 
 def supported(dtype: torch.dtype) -> bool:
@@ -43,21 +44,12 @@ def supported(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def _packed_weight(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    version = None if weight.is_inference() else weight._version  # inference tensors keep no version
-    hit = _packed.get(weight)
-    if hit is not None and hit[0] == version and hit[1] == rows:
-        return hit[2]
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
-    _packed[weight] = (version, rows, packed)
-    return packed
-
-
 @torch.library.custom_op("cann_cpu::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`linear(x, weight, bias)` through oneDNN with `weight` packed once for x's row count."""
     rows = x.numel() // x.shape[-1]
-    return torch.ops.mkldnn._linear_pointwise(x, _packed_weight(weight, rows), bias, "none", [], "")
+    packed = _packed.get(weight, lambda: torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows), rows)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 @packed_linear.register_fake
