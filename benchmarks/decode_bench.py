@@ -206,9 +206,11 @@ def our_decode(
     runner.generate(prompts, steps + 1)  # warm caches
     gen = runner.generate(prompts, steps + 1)
     calls = list(runner.parallel.log.calls)  # the collectives of one decode step
+    name = f"ours {exe_mode}" + (f" + SK {plan}" if plan else "")
+    if fewer := sum(n < runner.threads.full for n in gen.decode_threads):  # the host was busy: say so
+        print(f"  note: {name}: {fewer} of {steps} timed steps ran on fewer intra-op threads (executor/threads.py)")
     del runner
     torch._dynamo.reset()
-    name = f"ours {exe_mode}" + (f" + SK {plan}" if plan else "")
     return Row(name, statistics.median(gen.decode_ms), None if exe_mode == "eager" else compile_s, gen.token_ids, calls)
 
 

@@ -5,16 +5,19 @@ Why: on a shared host the decode step's OpenMP threads meet at a barrier after e
 region. With libgomp's default policy a waiting thread spins for a while before it sleeps; when
 a neighbour holds the cores, the thread being waited for is not running, and the spinners burn
 the time slices it needs. A compiled step has many small parallel regions, so it suffers most.
-The wait policy is read once, when libgomp loads, so each policy runs in its own process.
+The wait policy is read once, when libgomp loads, so each policy runs in its own process; so does
+each setting of the runner's thread governor (executor/threads.py), which drops to fewer intra-op
+threads while the decode thread waits for a core.
 
-  python benchmarks/load_bench.py                          # bench-overhead size, 3 modes x 3 policies
+  python benchmarks/load_bench.py                          # bench-overhead size, 3 modes, 2 policies x governor off/on
   python benchmarks/load_bench.py --size qwen3-0.6b --modes ge_graph,decoder --steps 24
 
-Prints, per policy and mode: median and p90 decode ms/step idle and under load, the loaded/idle
-ratio, and SK decoder against ge_graph under load. The project's default (executor/__init__.py)
-is the `passive` row on a host that is busy when the process starts, the `gomp default` row on
-an idle one (this benchmark starts each measured process on an idle host and sets the policy
-itself).
+Prints, per policy, governor and mode: median and p90 decode ms/step idle and under load, the
+loaded/idle ratio, how many steps ran on fewer threads, and SK decoder against ge_graph
+under load. The neighbour starts after the measured process (a "late neighbour"), as on a shared
+host where other work arrives mid-run. The project's default is the `gomp default` policy with
+the governor on for a process that starts on an idle host (executor/__init__.py picks `passive`
+when the host is busy at start; this benchmark sets the policy itself).
 """
 
 from __future__ import annotations
@@ -84,19 +87,22 @@ def child(args) -> None:
         print(f"ready {phase}", flush=True)
         sys.stdin.readline()  # the parent starts (or not) the neighbour, then says go
         for mode, runner in runners.items():
-            runner.generate(prompt, args.steps + 1)  # warm
-            times = sorted(runner.generate(prompt, args.steps + 1).decode_ms)
+            runner.generate(prompt, args.steps + 1)  # warm (and the governor's first look at the host)
+            gen = runner.generate(prompt, args.steps + 1)
+            times = sorted(gen.decode_ms)
             result[f"{mode}/{phase}"] = {
                 "median": statistics.median(times),
                 "p90": times[int(0.9 * (len(times) - 1))],
+                "fewer_threads": sum(n < result["threads"] for n in gen.decode_threads),
             }
     print("result " + json.dumps(result), flush=True)
 
 
-def measure(policy: dict, args, ckpt: Path, cache: Path) -> dict:
+def measure(policy: dict, governor: str, args, ckpt: Path, cache: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ENV_KEYS}
     env |= {k: v for k, v in policy.items() if v}
     env["CANN_RECIPES_OMP_DEFAULTS"] = "0"  # the policy under test, not the project's default
+    env["CANN_RECIPES_ADAPTIVE_THREADS"] = "1" if governor == "on" else "0"
     cmd = [sys.executable, __file__, "--child", "--size", args.size, "--modes", args.modes]
     cmd += ["--steps", str(args.steps), "--ckpt", str(ckpt), "--cache", str(cache)]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
@@ -126,7 +132,8 @@ def main(argv=None) -> int:
     p.add_argument("--size", default="bench-overhead", help="named size in configs/model_sizes.yaml")
     p.add_argument("--modes", default="eager,ge_graph,decoder", help="eager, ge_graph and/or SuperKernel plans")
     p.add_argument("--steps", type=int, default=64, help="decode steps timed per mode and phase")
-    p.add_argument("--policies", default="gomp default,passive,spin 10k", help=f"comma list of: {', '.join(POLICIES)}")
+    p.add_argument("--policies", default="gomp default,passive", help=f"comma list of: {', '.join(POLICIES)}")
+    p.add_argument("--governor", default="off,on", help="the runner's thread governor: off, on or both")
     p.add_argument("--neighbour-threads", type=int, default=os.cpu_count(), help="the neighbour's torch threads")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
@@ -138,6 +145,9 @@ def main(argv=None) -> int:
     policies = args.policies.split(",")
     if unknown := [x for x in policies if x not in POLICIES]:
         p.error(f"--policies: unknown {unknown}; known: {', '.join(POLICIES)}")
+    governors = args.governor.split(",")
+    if unknown := [x for x in governors if x not in ("off", "on")]:
+        p.error(f"--governor: unknown {unknown}; known: off, on")
     modes = args.modes.split(",")
     print(f"# load_bench: size {args.size}, modes {args.modes}, {args.steps} steps, neighbour: "
           f"{args.neighbour_threads}-thread fp32 1024x1024 matmuls, {os.cpu_count()} cores", flush=True)  # fmt: skip
@@ -145,23 +155,27 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt, cache = Path(tmp) / "ckpt", Path(tmp) / "cache"
         for name in policies:
-            r = measure(POLICIES[name], args, ckpt, cache)
-            print(f"  measured policy {name} ({r['threads']} threads)", flush=True)
-            rows.append((name, r))
-    print("\n| OMP wait policy | mode | idle median ms | idle p90 | loaded median ms | loaded p90 | loaded / idle |")
-    print("|---|---|---|---|---|---|---|")
-    for name, r in rows:
+            for gov in governors:
+                r = measure(POLICIES[name], gov, args, ckpt, cache)
+                print(f"  measured policy {name}, governor {gov} ({r['threads']} threads)", flush=True)
+                rows.append((name, gov, r))
+    print(
+        "\n| OMP wait policy | governor | mode | idle median ms | idle p90 | loaded median ms | loaded p90 "
+        "| loaded / idle | steps on fewer threads, idle / loaded |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, gov, r in rows:
         for m in modes:
             i, ld = r[f"{m}/idle"], r[f"{m}/loaded"]
             print(
-                f"| {name} | {m} | {i['median']:.3f} | {i['p90']:.3f} | {ld['median']:.3f} | {ld['p90']:.3f} | "
-                f"{ld['median'] / i['median']:.1f}x |"
+                f"| {name} | {gov} | {m} | {i['median']:.3f} | {i['p90']:.3f} | {ld['median']:.3f} | {ld['p90']:.3f} | "
+                f"{ld['median'] / i['median']:.1f}x | {i['fewer_threads']} / {ld['fewer_threads']} of {args.steps} |"
             )
     if "ge_graph" in modes and "decoder" in modes:
         print()
-        for name, r in rows:
+        for name, gov, r in rows:
             ratio = r["decoder/loaded"]["median"] / r["ge_graph/loaded"]["median"]
-            print(f"{name}: under load SK decoder / ge_graph = {ratio:.2f} (< 1: SK faster)")
+            print(f"{name}, governor {gov}: under load SK decoder / ge_graph = {ratio:.2f} (< 1: SK faster)")
     return 0
 
 

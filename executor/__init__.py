@@ -20,7 +20,8 @@ process's cores as it starts (/proc/loadavg's runnable count, sampled), libgomp'
 libgomp reads the policy once, when it loads, so this must happen before `import torch`; it has no
 effect in a process that imported torch first. A policy the user set is kept;
 `CANN_RECIPES_OMP_DEFAULTS=0` leaves the environment alone. The choice and its reason are in
-metrics.json (`omp_wait_policy`, `omp_reason`).
+metrics.json (`omp_wait_policy`, `omp_reason`). A neighbour that arrives later is the decode
+loop's business: it runs on fewer threads while its thread waits for a core (executor/threads.py).
 """
 
 import os

@@ -31,7 +31,7 @@ import resource
 import statistics
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -51,6 +51,7 @@ from executor.parallel.groups import Parallel
 from executor.paths import results_dir
 from executor.platform import Platform, software_versions, timer
 from executor.scope import NO_PLAN, ScopeRunner
+from executor.threads import ThreadGovernor
 from executor.tokenizer import BUILTIN_TOKENIZER, Tokenizer, TokenizerError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,6 +65,7 @@ class Generation:
     decode_ms: list[float]  # one per decode step (the first token comes from prefill)
     first_logits: torch.Tensor  # (B, V) fp32 logits of the prefill's last real token
     last_logits: torch.Tensor  # (B, V) logits of the last decode step
+    decode_threads: list[int] = field(default_factory=list)  # intra-op threads per decode step (executor/threads.py)
 
 
 @dataclass
@@ -118,6 +120,7 @@ class ModelRunner:
         self.cache: KVCache | None = None
         self.truncation: list[dict] = []  # per row: prompt tokens given and kept, set by encode_prompts
         self.now = timer(platform)
+        self.threads = ThreadGovernor.for_run(platform.kind, self.parallel.world, self.log)
 
     @property
     def max_len(self) -> int:
@@ -154,6 +157,7 @@ class ModelRunner:
         and weights under another exe_mode, e.g. for an eager reference in the same process."""
         self.backend, self.context = backend, ExecutionContext.for_backend(backend, self.parallel)
         self.step: CompiledStep | None = None  # the compiled decode step, built on first use
+        self.step_key = object()  # names that step for the thread governor (an id() can be reused)
         self.collectives: dict | None = None  # collectives of one decode step, noted on its first call
 
     def _tokenizer_path(self) -> Path:
@@ -295,23 +299,27 @@ class ModelRunner:
             token = pre.logits.argmax(-1, keepdim=True)  # (B, 1)
             out, step_ms, logits = [token], [], pre.logits
             pos = pre.lengths.view(b, 1).clone()
-            for i in range(max_new_tokens - 1):
-                t0 = self.now()
-                logits = self.decode_one(token, pos)
-                step_ms.append((self.now() - t0) * 1e3)
-                self.check_finite(
-                    logits,
-                    f"decode step {i + 1}",
-                    lambda scopes, token=token, pos=pos: self.model(token, pos, self.cache, scopes),
-                )
-                token = logits.argmax(-1, keepdim=True)
-                out.append(token)
-                pos += 1
-                if on_step:
-                    on_step(i, step_ms[-1])
+            step_threads = []
+            with self.threads.decoding(key=(self.step_key, b)) as threads:
+                for i in range(max_new_tokens - 1):
+                    step_threads.append(threads.threads)
+                    waited, t0 = threads.waited_ms(), self.now()
+                    logits = self.decode_one(token, pos)
+                    step_ms.append((self.now() - t0) * 1e3)
+                    threads.observe(step_ms[-1], threads.waited_ms() - waited)  # may change the next step's count
+                    self.check_finite(
+                        logits,
+                        f"decode step {i + 1}",
+                        lambda scopes, token=token, pos=pos: self.model(token, pos, self.cache, scopes),
+                    )
+                    token = logits.argmax(-1, keepdim=True)
+                    out.append(token)
+                    pos += 1
+                    if on_step:
+                        on_step(i, step_ms[-1])
         tokens = runtime.gather_rows(torch.cat(out, dim=1).tolist(), self.parallel)
         first, last = (runtime.gather_row_tensor(t, self.parallel) for t in (pre.logits, logits))
-        return Generation(all_rows, tokens, pre.ms, step_ms, first, last)
+        return Generation(all_rows, tokens, pre.ms, step_ms, first, last, step_threads)
 
     def check_finite(self, logits: torch.Tensor, step: str, rerun: Callable[[numerics.RegionTracker], object]) -> None:
         """Stop at the first step whose (B, V) logits hold NaN or inf, naming the step and the
@@ -428,6 +436,7 @@ class ModelRunner:
             "versions": software_versions(),
             "torch_version": torch.__version__,
             "threads": torch.get_num_threads(),
+            "thread_governor": self.threads.to_metrics(gen.decode_threads),  # fewer threads while the host is shared
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "libgomp default"),  # see executor/__init__.py
             "omp_reason": os.environ.get("CANN_RECIPES_OMP_REASON", "set outside this project"),
             "thp_alloc": f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}, kernel: {thp_mode()}",

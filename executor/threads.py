@@ -1,0 +1,224 @@
+"""Intra-op threads for the CPU decode loop on a shared host.
+
+Why: every parallel region of a decode step ends at a barrier where the step's threads wait for
+each other. When another process takes some of the cores, the thread being waited for is often
+not running, and the step waits for the scheduler instead of for work: on the 2-core reference
+VM, with a neighbour running 2-thread matmuls that started after the process, a bench-overhead
+ge_graph step went from ~1 ms to 3.4-6 ms (earlier runs: 135-168 ms) and a Qwen3-0.6B SK decoder
+step from 75 to 200-225 ms, while the same steps on one thread took 1.2x and 1.6x their idle time
+(BENCHMARKS.md, "Under load"). The OpenMP wait policy chosen at start (executor/__init__.py) only
+helps a host that is already busy then; libgomp reads it once.
+
+So the decode loop watches how long its own thread waited for a core (Linux schedstat: time
+runnable but not running) and, when that is a noticeable share of the step, tries the next lower
+thread count for a few steps and keeps it if it is not slower. From a reduced count it tries the
+next higher one again, soon when the waiting has stopped, rarely while it lasts, backing off after
+each try that lost. On an idle host the waiting share stays near zero (0.000-0.002 measured), so
+nothing is tried and the cost is one read of a kept-open file per step (about 1 us).
+
+The counts tried halve from the process's intra-op thread count down to 1. Inductor's C++ kernels
+read the thread count at run time only when it equalled os.cpu_count() when they were compiled
+(otherwise they carry `num_threads(n)`), so the governor is off in any other case, and off with
+several ranks (every rank must compute replicated values in the same order) and off the CPU (host
+threads there only launch kernels). Each decode step's thread count is returned with its time,
+and metrics.json says whether the governor was on, why not, and every change it made.
+`CANN_RECIPES_ADAPTIVE_THREADS=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+SCHEDSTAT = "/proc/thread-self/schedstat"  # "<ns on a core> <ns runnable, waiting for a core> <slices>"
+ENV = "CANN_RECIPES_ADAPTIVE_THREADS"
+
+WINDOW = 4  # recent steps at the current count that a decision looks at
+PROBE = 3  # steps run at a candidate count before it is judged (a median, so one outlier is ignored)
+CONTENDED = 0.05  # waiting share that starts a try at fewer threads; an idle host reads 0.000-0.002
+CLEAR = 0.01  # waiting share under which the host counts as free again
+KEEP_FEWER = 1.05  # fewer threads are kept unless more than 5% slower: they leave cores to the neighbour
+KEEP_MORE = 0.9  # more threads are kept only if at least 10% faster
+GIVE_UP = 2.0  # a try at more threads ends at its first step this much slower (a step can take 600x)
+FIRST_WAIT = {"down": 1, "up": 8}  # steps between tries in each direction, doubled after each lost try ...
+LAST_WAIT = 1024  # ... up to this
+BUSY_UP = 8  # while the waiting lasts, tries at more threads wait this many times longer
+BUDGET = 20  # and a try waits for at least 20x the time the last lost try cost: tries cost <= 5%
+
+
+@dataclass
+class Change:
+    step: int  # decode step (0-based, within its generate call) from which `to` applies
+    frm: int
+    to: int
+    why: str
+
+
+@dataclass
+class ThreadGovernor:
+    """Chooses the intra-op thread count of each decode step. `observe` is told each step's time
+    and its thread's wait for a core and sets the count for the next step through
+    `set_threads`. What it has learnt (the count, how long to wait before the next try) is kept
+    across generate calls."""
+
+    full: int
+    enabled: bool
+    reason: str
+    set_threads: Callable[[int], None] = torch.set_num_threads
+    log: Callable[[str], None] = lambda line: None
+    levels: list[int] = field(init=False)  # counts that can be chosen: full, full // 2, ..., 1
+    level: int = field(init=False, default=0)  # index of the chosen count in levels
+    changes: list[Change] = field(init=False, default_factory=list)
+
+    def __post_init__(self):
+        self.levels = [self.full]
+        while self.levels[-1] > 1:
+            self.levels.append(self.levels[-1] // 2)
+        self.wait_for = dict(FIRST_WAIT)  # steps before the next try, per direction
+        self.lost_ms = {"down": 0.0, "up": 0.0}  # what the last lost try cost, per direction
+        self.since, self.since_ms = 0, 0.0  # steps and decode time since the last try
+        self.seen: set = set()  # decode steps (keys) already compiled
+        self.clock: RunQueueClock | None = None
+        self._new_call(fresh=False)
+
+    @classmethod
+    def for_run(cls, kind: str, world: int, log: Callable[[str], None] = lambda line: None) -> ThreadGovernor:
+        """On when this process decodes on the CPU alone, with Inductor kernels that follow the
+        run-time thread count and a readable schedstat; otherwise off, with the reason."""
+        threads, cores = torch.get_num_threads(), os.cpu_count()
+        if os.environ.get(ENV, "1") == "0":
+            why = f"off: {ENV}=0"
+        elif kind != "cpu":
+            why = f"off: decode runs on {kind}, host threads only launch its kernels"
+        elif world > 1:
+            why = f"off: {world} ranks (each must compute replicated values in the same order)"
+        elif threads < 2:
+            why = f"off: {threads} intra-op thread"
+        elif threads != cores:
+            why = f"off: {threads} intra-op threads on {cores} cores; Inductor fixes that count in its kernels"
+        elif not RunQueueClock.available():
+            why = f"off: {SCHEDSTAT} is not readable"
+        else:
+            return cls(threads, True, f"on: {threads} threads, fewer while the decode thread waits for a core", log=log)
+        return cls(threads, False, why, log=log)
+
+    @property
+    def threads(self) -> int:
+        """The count the next step runs with (torch's own, so a count set from outside is told too)."""
+        return torch.get_num_threads()
+
+    def waited_ms(self) -> float:
+        """This thread's total wait for a core so far (0 when off); a step's wait is a difference."""
+        return self.clock.read_ms() if self.clock else 0.0
+
+    def _new_call(self, fresh: bool) -> None:
+        self.step, self.fresh = 0, fresh
+        self.window: list[tuple[float, float]] = []  # (ms, wait ms) of recent steps at the chosen count
+        self.trying: int | None = None  # the level being tried
+        self.tried_ms: list[float] = []
+        self.base_ms = 0.0  # median step time at the chosen count when the try began
+
+    @contextlib.contextmanager
+    def decoding(self, key: object) -> Iterator[ThreadGovernor]:
+        """One generate call's decode loop for the compiled step `key`. The first call of a key
+        starts at the full count: that step compiles, and Inductor emits kernels that follow the
+        run-time count only if it sees the full one. Later calls start at the chosen count. The
+        process's count is restored on exit, whatever happens."""
+        before = torch.get_num_threads()
+        self._new_call(fresh=key not in self.seen)
+        self.seen.add(key)
+        try:
+            if self.enabled:
+                self.clock = RunQueueClock()  # the decoding thread's own schedstat
+                self.set_threads(self.full if self.fresh else self.levels[self.level])
+            yield self
+        finally:
+            if self.clock:
+                self.clock.close()
+                self.clock = None
+            if self.enabled:
+                self.set_threads(before)
+
+    def observe(self, ms: float, wait_ms: float) -> None:
+        """The step just run took `ms`, of which its thread spent `wait_ms` waiting for a core."""
+        step, self.step = self.step, self.step + 1
+        if not self.enabled:
+            return
+        if step == 0 and self.fresh:  # it compiled: not a sample; from now on the chosen count
+            self.set_threads(self.levels[self.level])
+            return
+        self.since, self.since_ms = self.since + 1, self.since_ms + ms
+        if self.trying is not None:
+            self._judge(ms, step)
+            return
+        self.window = [*self.window[-(WINDOW - 1) :], (ms, wait_ms)]
+        share = sum(w for _, w in self.window) / max(sum(m for m, _ in self.window), 1e-9)
+        if share >= CONTENDED and self.level + 1 < len(self.levels) and self._may("down"):
+            self._try(self.level + 1)
+        elif self.level > 0 and len(self.window) == WINDOW and self._may("up", busy=share >= CLEAR):
+            self._try(self.level - 1)
+
+    def _may(self, way: str, busy: bool = False) -> bool:
+        steps = self.wait_for[way] * (BUSY_UP if busy else 1)
+        return self.since >= steps and self.since_ms >= BUDGET * self.lost_ms[way]
+
+    def _try(self, level: int) -> None:
+        self.trying, self.tried_ms = level, []
+        self.base_ms = statistics.median(m for m, _ in self.window)
+        self.set_threads(self.levels[level])
+
+    def _judge(self, ms: float, step: int) -> None:
+        self.tried_ms.append(ms)
+        way = "down" if self.trying > self.level else "up"
+        lost_at_once = way == "up" and ms > GIVE_UP * self.base_ms
+        if len(self.tried_ms) < PROBE and not lost_at_once:
+            return
+        got, base = statistics.median(self.tried_ms), self.base_ms
+        if not lost_at_once and got <= base * (KEEP_FEWER if way == "down" else KEEP_MORE):
+            frm, to = self.levels[self.level], self.levels[self.trying]
+            why = f"{to} thread(s) ran {got:.3f} ms/step against {base:.3f} at {frm}"
+            self.changes.append(Change(step + 1, frm, to, why))
+            self.log(f"[run] decode step {step + 1}: {to} intra-op thread(s) from now on ({why})")
+            self.level, self.wait_for[way], self.lost_ms[way] = self.trying, FIRST_WAIT[way], 0.0
+        else:
+            self.wait_for[way] = min(self.wait_for[way] * 2, LAST_WAIT)
+            self.lost_ms[way] = max(0.0, sum(self.tried_ms) - base * len(self.tried_ms))
+        self.set_threads(self.levels[self.level])
+        self.trying, self.window, self.since, self.since_ms = None, [], 0, 0.0
+
+    def to_metrics(self, step_threads: list[int]) -> dict:
+        """For metrics.json: on/off and why, the steps run at each count, every change so far."""
+        counts = {str(n): step_threads.count(n) for n in sorted(set(step_threads), reverse=True)}
+        return {
+            "enabled": self.enabled,
+            "reason": self.reason,
+            "steps_per_thread_count": counts,
+            "changes": [vars(c) for c in self.changes],
+        }
+
+
+class RunQueueClock:
+    """Nanoseconds the thread that made it has spent runnable but not running, from Linux's
+    schedstat. The file is opened once and re-read in place: about 1 us per read."""
+
+    def __init__(self):
+        self.fd = os.open(SCHEDSTAT, os.O_RDONLY)
+
+    @staticmethod
+    def available() -> bool:
+        try:
+            with open(SCHEDSTAT) as f:
+                return len(f.read().split()) >= 2
+        except OSError:
+            return False
+
+    def read_ms(self) -> float:
+        return int(os.pread(self.fd, 64, 0).split()[1]) / 1e6
+
+    def close(self) -> None:
+        os.close(self.fd)

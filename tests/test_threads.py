@@ -1,0 +1,155 @@
+"""The decode loop's thread governor (executor/threads.py): its choices for given step times and
+waits, the real schedstat clock, and a real run whose steps change thread count mid-call."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from executor import threads as th
+from executor.threads import RunQueueClock, ThreadGovernor
+
+
+@pytest.fixture
+def governor():
+    """An enabled governor over this machine's 2..1 threads; the process's count is put back."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    lines = []
+    gov = ThreadGovernor(2, True, "test", log=lines.append)
+    gov.lines = lines
+    yield gov
+    torch.set_num_threads(before)
+
+
+def feed(gov: ThreadGovernor, steps: list[tuple[float, float]]) -> list[int]:
+    """Run `steps` (ms, wait ms) through one decode call; the thread count each step ran with."""
+    ran = []
+    with gov.decoding(key="step"):
+        for ms, wait in steps:
+            ran.append(gov.threads)
+            gov.observe(ms, wait)
+    return ran
+
+
+def test_an_idle_host_keeps_every_thread(governor):
+    ran = feed(governor, [(1.0, 0.0)] * 200)
+    assert ran == [2] * 200 and governor.changes == []
+
+
+def test_waiting_for_a_core_moves_to_fewer_threads_when_they_are_not_slower(governor):
+    # step 0 compiles (not a sample); step 1 waited half its time -> three steps on 1 thread
+    ran = feed(governor, [(1.0, 0.0), (5.0, 2.5), (1.2, 0.3), (1.1, 0.3), (1.3, 0.3), (1.2, 0.3)])
+    assert ran == [2, 2, 1, 1, 1, 1]
+    assert [(c.step, c.frm, c.to) for c in governor.changes] == [(5, 2, 1)]
+    assert "1 thread(s) ran 1.200 ms/step against 5.000 at 2" in governor.changes[0].why
+    assert governor.lines and "decode step 5" in governor.lines[0]
+    assert torch.get_num_threads() == 2  # the call's end restores the process's count
+    # the next call of the same (compiled) step starts at the chosen count
+    assert feed(governor, [(1.2, 0.3)] * 3) == [1, 1, 1]
+
+
+def test_a_lost_try_goes_back_and_waits_longer_before_the_next(governor):
+    slow_alone = [(8.0, 0.5)] * 3  # one thread is slower: keep two
+    ran = feed(governor, [(1.0, 0.0), (5.0, 2.5), *slow_alone])
+    assert ran == [2, 2, 1, 1, 1] and governor.changes == []
+    assert governor.wait_for["down"] == 2 and governor.lost_ms["down"] == pytest.approx(3 * 8.0 - 3 * 5.0)
+    # the next try waits for 2 steps and for 20x the 9 ms lost: 36 steps of 5 ms; as fast, so kept
+    ran = feed(governor, [(5.0, 2.5)] * 40)
+    assert ran == [2] * 36 + [1] * 4
+    assert [(c.step, c.frm, c.to) for c in governor.changes] == [(39, 2, 1)]
+
+
+def test_back_to_more_threads_once_the_host_is_free(governor):
+    governor.level, governor.seen = 1, {"step"}  # learnt in an earlier call of a compiled step
+    free, faster = [(2.0, 0.0)] * 8, [(1.0, 0.0)] * 3
+    ran = feed(governor, [*free, *faster, (1.0, 0.0)])
+    assert ran == [1] * 8 + [2] * 4
+    assert [(c.frm, c.to) for c in governor.changes] == [(1, 2)]
+
+
+def test_a_try_at_more_threads_under_load_ends_at_its_first_slow_step(governor):
+    governor.level, governor.seen = 1, {"step"}
+    busy = [(2.0, 0.5)] * (th.FIRST_WAIT["up"] * th.BUSY_UP)
+    ran = feed(governor, [*busy, (600.0, 300.0), *busy])
+    at = len(busy)
+    assert ran[at] == 2 and set(ran[:at]) == {1} and set(ran[at + 1 :]) == {1}
+    assert governor.changes == [] and governor.lost_ms["up"] == pytest.approx(598.0)
+    # the next try waits until the decode time since then is 20x what that step lost
+    assert not governor._may("up", busy=True)
+
+
+def test_the_process_thread_count_is_restored_after_an_error(governor):
+    torch.set_num_threads(1)
+    with pytest.raises(RuntimeError), governor.decoding(key="step"):
+        assert governor.threads == 2  # a fresh step starts at the full count
+        raise RuntimeError("decode failed")
+    assert torch.get_num_threads() == 1
+
+
+def test_off_where_thread_counts_cannot_change_safely(monkeypatch):
+    cores = os.cpu_count()
+    assert "cuda" in ThreadGovernor.for_run("cuda", 1).reason
+    assert (
+        ThreadGovernor.for_run("cpu", 2).reason
+        == "off: 2 ranks (each must compute replicated values in the same order)"
+    )
+    monkeypatch.setenv(th.ENV, "0")
+    assert ThreadGovernor.for_run("cpu", 1).reason == f"off: {th.ENV}=0"
+    monkeypatch.delenv(th.ENV)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(cores + 1)
+        off = ThreadGovernor.for_run("cpu", 1)
+        assert not off.enabled and "Inductor fixes that count" in off.reason
+        torch.set_num_threads(cores)
+        on = ThreadGovernor.for_run("cpu", 1)
+        assert on.enabled == (cores > 1) and on.levels[0] == cores and on.levels[-1] == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_clock_counts_time_spent_waiting_for_a_core():
+    spin = "import time\nend = time.time() + 3\nwhile time.time() < end: pass\n"
+    hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(os.cpu_count())]
+    try:
+        time.sleep(0.3)  # the hogs are running
+        clock = RunQueueClock()
+        before, end = clock.read_ms(), time.time() + 1.0
+        while time.time() < end:  # a third runnable task per core: this one must wait
+            pass
+        waited = clock.read_ms() - before
+        clock.close()
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    assert 50.0 < waited < 1000.0
+
+
+@pytest.mark.parametrize("exe_mode", ["eager", "ge_graph"])
+def test_steps_on_fewer_threads_give_the_same_tokens(make_qwen_runner, qwen3_ckpt, exe_mode, monkeypatch):
+    """A real run whose governor has learnt "1 thread": the compiling step runs on 2, the rest on 1,
+    and the tokens are those of a run on 2 threads throughout."""
+    monkeypatch.setattr(th, "CONTENDED", float("inf"))  # no tries of its own: the counts are the test's
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runner = make_qwen_runner(qwen3_ckpt, f"model_config.exe_mode={exe_mode}", max_new_tokens=6)
+        runner.threads = ThreadGovernor(2, True, "test")
+        prompt = [[5, 6, 7, 8], [9, 10, 11, 12]]
+        both = runner.generate(prompt, 6)
+        runner.threads.level = 1
+        runner.use_backend(runner.backend)  # a new compiled step: its first call compiles again on 2
+        one = runner.generate(prompt, 6)
+        assert both.decode_threads == [2] * 5 and one.decode_threads == [2, 1, 1, 1, 1]
+        assert one.token_ids == both.token_ids
+        torch.testing.assert_close(one.last_logits, both.last_logits, rtol=1e-4, atol=1e-4)
+        assert torch.get_num_threads() == 2
+        metrics = runner._metrics(one, [""] * 2, None, 0.0)["thread_governor"]
+        assert metrics["steps_per_thread_count"] == {"2": 1, "1": 4} and metrics["enabled"]
+    finally:
+        torch.set_num_threads(before)
