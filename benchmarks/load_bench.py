@@ -7,7 +7,7 @@ a neighbour holds the cores, the thread being waited for is not running, and the
 the time slices it needs. A compiled step has many small parallel regions, so it suffers most.
 The wait policy is read once, when libgomp loads, so each policy runs in its own process; so does
 each setting of the runner's thread governor (executor/threads.py), which drops to fewer intra-op
-threads while the decode thread waits for a core.
+threads while its threads wait for a core.
 
   python benchmarks/load_bench.py                          # bench-overhead size, 3 modes, 2 policies x governor off/on
   python benchmarks/load_bench.py --size qwen3-0.6b --modes ge_graph,decoder --steps 24

@@ -21,7 +21,7 @@ libgomp reads the policy once, when it loads, so this must happen before `import
 effect in a process that imported torch first. A policy the user set is kept;
 `CANN_RECIPES_OMP_DEFAULTS=0` leaves the environment alone. The choice and its reason are in
 metrics.json (`omp_wait_policy`, `omp_reason`). A neighbour that arrives later is the decode
-loop's business: it runs on fewer threads while its thread waits for a core (executor/threads.py).
+loop's business: it runs on fewer threads while they wait for a core (executor/threads.py).
 """
 
 import os

@@ -9,12 +9,13 @@ step from 75 to 200-225 ms, while the same steps on one thread took 1.2x and 1.6
 (BENCHMARKS.md, "Under load"). The OpenMP wait policy chosen at start (executor/__init__.py) only
 helps a host that is already busy then; libgomp reads it once.
 
-So the decode loop watches how long its own thread waited for a core (Linux schedstat: time
+So the decode loop watches how long its threads waited for a core (Linux schedstat: time
 runnable but not running) and, when that is a noticeable share of the step, tries the next lower
 thread count for a few steps and keeps it if it is not slower. From a reduced count it tries the
 next higher one again, soon when the waiting has stopped, rarely while it lasts, backing off after
 each try that lost. On an idle host the waiting share stays near zero (0.000-0.002 measured), so
-nothing is tried and the cost is one read of a kept-open file per step (about 1 us).
+nothing is tried and the cost is one read of a kept-open file per thread and step (about 1 us
+each).
 
 The counts tried halve from the process's intra-op thread count down to 1. Inductor's C++ kernels
 read the thread count at run time only when it equalled os.cpu_count() when they were compiled
@@ -35,11 +36,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-SCHEDSTAT = "/proc/thread-self/schedstat"  # "<ns on a core> <ns runnable, waiting for a core> <slices>"
+TASKS = "/proc/self/task"  # <tid>/schedstat: "<ns on a core> <ns runnable, waiting for a core> <slices>"
 ENV = "CANN_RECIPES_ADAPTIVE_THREADS"
 
-WINDOW = 4  # recent steps at the current count that a decision looks at
-PROBE = 3  # steps run at a candidate count before it is judged (a median, so one outlier is ignored)
+WINDOW = 8  # recent steps at the current count that a decision looks at
+PROBE = 3  # steps run at a candidate count before it is judged
 CONTENDED = 0.05  # waiting share that starts a try at fewer threads; an idle host reads 0.000-0.002
 CLEAR = 0.01  # waiting share under which the host counts as free again
 KEEP_FEWER = 1.05  # fewer threads are kept unless more than 5% slower: they leave cores to the neighbour
@@ -62,7 +63,7 @@ class Change:
 @dataclass
 class ThreadGovernor:
     """Chooses the intra-op thread count of each decode step. `observe` is told each step's time
-    and its thread's wait for a core and sets the count for the next step through
+    and how long the process's threads waited for a core and sets the count for the next step through
     `set_threads`. What it has learnt (the count, how long to wait before the next try) is kept
     across generate calls."""
 
@@ -102,9 +103,9 @@ class ThreadGovernor:
         elif threads != cores:
             why = f"off: {threads} intra-op threads on {cores} cores; Inductor fixes that count in its kernels"
         elif not RunQueueClock.available():
-            why = f"off: {SCHEDSTAT} is not readable"
+            why = f"off: {TASKS}/<tid>/schedstat is not readable"
         else:
-            return cls(threads, True, f"on: {threads} threads, fewer while the decode thread waits for a core", log=log)
+            return cls(threads, True, f"on: {threads} threads, fewer while they wait for a core", log=log)
         return cls(threads, False, why, log=log)
 
     @property
@@ -113,7 +114,7 @@ class ThreadGovernor:
         return torch.get_num_threads()
 
     def waited_ms(self) -> float:
-        """This thread's total wait for a core so far (0 when off); a step's wait is a difference."""
+        """The process's threads' total wait for a core so far (0 when off); a step's is a difference."""
         return self.clock.read_ms() if self.clock else 0.0
 
     def _new_call(self, fresh: bool) -> None:
@@ -121,7 +122,7 @@ class ThreadGovernor:
         self.window: list[tuple[float, float]] = []  # (ms, wait ms) of recent steps at the chosen count
         self.trying: int | None = None  # the level being tried
         self.tried_ms: list[float] = []
-        self.base_ms = 0.0  # median step time at the chosen count when the try began
+        self.base_ms = 0.0  # mean step time at the chosen count when the try began
 
     @contextlib.contextmanager
     def decoding(self, key: object) -> Iterator[ThreadGovernor]:
@@ -134,7 +135,7 @@ class ThreadGovernor:
         self.seen.add(key)
         try:
             if self.enabled:
-                self.clock = RunQueueClock()  # the decoding thread's own schedstat
+                self.clock = RunQueueClock()
                 self.set_threads(self.full if self.fresh else self.levels[self.level])
             yield self
         finally:
@@ -145,7 +146,7 @@ class ThreadGovernor:
                 self.set_threads(before)
 
     def observe(self, ms: float, wait_ms: float) -> None:
-        """The step just run took `ms`, of which its thread spent `wait_ms` waiting for a core."""
+        """The step just run took `ms`; its threads spent `wait_ms` (summed) waiting for a core."""
         step, self.step = self.step, self.step + 1
         if not self.enabled:
             return
@@ -160,7 +161,7 @@ class ThreadGovernor:
         share = sum(w for _, w in self.window) / max(sum(m for m, _ in self.window), 1e-9)
         if share >= CONTENDED and self.level + 1 < len(self.levels) and self._may("down"):
             self._try(self.level + 1)
-        elif self.level > 0 and len(self.window) == WINDOW and self._may("up", busy=share >= CLEAR):
+        elif self.level > 0 and len(self.window) >= PROBE and self._may("up", busy=share >= CLEAR):
             self._try(self.level - 1)
 
     def _may(self, way: str, busy: bool = False) -> bool:
@@ -169,7 +170,7 @@ class ThreadGovernor:
 
     def _try(self, level: int) -> None:
         self.trying, self.tried_ms = level, []
-        self.base_ms = statistics.median(m for m, _ in self.window)
+        self.base_ms = statistics.fmean(m for m, _ in self.window)
         self.set_threads(self.levels[level])
 
     def _judge(self, ms: float, step: int) -> None:
@@ -178,7 +179,7 @@ class ThreadGovernor:
         lost_at_once = way == "up" and ms > GIVE_UP * self.base_ms
         if len(self.tried_ms) < PROBE and not lost_at_once:
             return
-        got, base = statistics.median(self.tried_ms), self.base_ms
+        got, base = statistics.fmean(self.tried_ms), self.base_ms
         if not lost_at_once and got <= base * (KEEP_FEWER if way == "down" else KEEP_MORE):
             frm, to = self.levels[self.level], self.levels[self.trying]
             why = f"{to} thread(s) ran {got:.3f} ms/step against {base:.3f} at {frm}"
@@ -203,22 +204,33 @@ class ThreadGovernor:
 
 
 class RunQueueClock:
-    """Nanoseconds the thread that made it has spent runnable but not running, from Linux's
-    schedstat. The file is opened once and re-read in place: about 1 us per read."""
+    """Milliseconds the process's threads have spent runnable but not running, summed, from
+    Linux's per-thread schedstat. All threads count: with a passive wait policy the main thread
+    sleeps at the barrier while the worker it waits for queues for a core. The threads are listed
+    once (the decode loop's OpenMP pool exists by then: prefill made it) and each file is re-read
+    in place, about 1 us per thread per read; a thread that has exited reads as nothing."""
 
     def __init__(self):
-        self.fd = os.open(SCHEDSTAT, os.O_RDONLY)
+        self.fds = []
+        for tid in os.listdir(TASKS):
+            with contextlib.suppress(OSError):
+                self.fds.append(os.open(f"{TASKS}/{tid}/schedstat", os.O_RDONLY))
 
     @staticmethod
     def available() -> bool:
         try:
-            with open(SCHEDSTAT) as f:
+            with open(f"{TASKS}/{os.getpid()}/schedstat") as f:
                 return len(f.read().split()) >= 2
         except OSError:
             return False
 
     def read_ms(self) -> float:
-        return int(os.pread(self.fd, 64, 0).split()[1]) / 1e6
+        total = 0
+        for fd in self.fds:
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                total += int(os.pread(fd, 64, 0).split()[1])
+        return total / 1e6
 
     def close(self) -> None:
-        os.close(self.fd)
+        for fd in self.fds:
+            os.close(fd)
