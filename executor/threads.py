@@ -17,12 +17,15 @@ each try that lost. On an idle host the waiting share stays near zero (0.000-0.0
 nothing is tried and the cost is one read of a kept-open file per thread and step (about 1 us
 each).
 
-The counts tried halve from the process's intra-op thread count down to 1. Inductor's C++ kernels
-read the thread count at run time only when it equalled os.cpu_count() when they were compiled
-(otherwise they carry `num_threads(n)`), so the governor is off in any other case, and off with
-several ranks (every rank must compute replicated values in the same order) and off the CPU (host
-threads there only launch kernels). Each decode step's thread count is returned with its time,
-and metrics.json says whether the governor was on, why not, and every change it made.
+The counts tried halve from the process's intra-op thread count down to 1. Dynamo guards a
+compiled step on the thread count, so the first step at a new count compiles the step again for
+that count (Inductor then emits kernels for it): seconds at small sizes, about as long as the first
+compile at large ones, once per process and count, and kept in the compile cache. That step is
+logged and is not a sample; a try at fewer threads needs at least three recent steps whose
+threads waited 5% of the time or more, which an idle host does not show. Off with several ranks
+(every rank must compute replicated values in the same order) and off the CPU (host threads there
+only launch kernels). Each decode step's thread count is returned with its time, and metrics.json
+says whether the governor was on, why not, and every change it made.
 `CANN_RECIPES_ADAPTIVE_THREADS=0` turns it off.
 """
 
@@ -46,7 +49,7 @@ CLEAR = 0.01  # waiting share under which the host counts as free again
 KEEP_FEWER = 1.05  # fewer threads are kept unless more than 5% slower: they leave cores to the neighbour
 KEEP_MORE = 0.9  # more threads are kept only if at least 10% faster
 GIVE_UP = 2.0  # a try at more threads ends at its first step this much slower (a step can take 600x)
-FIRST_WAIT = {"down": 1, "up": 8}  # steps between tries in each direction, doubled after each lost try ...
+FIRST_WAIT = {"down": 3, "up": 8}  # steps between tries in each direction, doubled after each lost try ...
 LAST_WAIT = 1024  # ... up to this
 BUSY_UP = 8  # while the waiting lasts, tries at more threads wait this many times longer
 BUDGET = 20  # and a try waits for at least 20x the time the last lost try cost: tries cost <= 5%
@@ -83,15 +86,15 @@ class ThreadGovernor:
         self.wait_for = dict(FIRST_WAIT)  # steps before the next try, per direction
         self.lost_ms = {"down": 0.0, "up": 0.0}  # what the last lost try cost, per direction
         self.since, self.since_ms = 0, 0.0  # steps and decode time since the last try
-        self.seen: set = set()  # decode steps (keys) already compiled
+        self.compiled: set = set()  # (step key, thread count) pairs that have run once
         self.clock: RunQueueClock | None = None
-        self._new_call(fresh=False)
+        self._new_call(key=None)
 
     @classmethod
     def for_run(cls, kind: str, world: int, log: Callable[[str], None] = lambda line: None) -> ThreadGovernor:
-        """On when this process decodes on the CPU alone, with Inductor kernels that follow the
-        run-time thread count and a readable schedstat; otherwise off, with the reason."""
-        threads, cores = torch.get_num_threads(), os.cpu_count()
+        """On when this process decodes on the CPU alone with several threads and schedstat is
+        readable; otherwise off, with the reason."""
+        threads = torch.get_num_threads()
         if os.environ.get(ENV, "1") == "0":
             why = f"off: {ENV}=0"
         elif kind != "cpu":
@@ -100,8 +103,6 @@ class ThreadGovernor:
             why = f"off: {world} ranks (each must compute replicated values in the same order)"
         elif threads < 2:
             why = f"off: {threads} intra-op thread"
-        elif threads != cores:
-            why = f"off: {threads} intra-op threads on {cores} cores; Inductor fixes that count in its kernels"
         elif not RunQueueClock.available():
             why = f"off: {TASKS}/<tid>/schedstat is not readable"
         else:
@@ -117,26 +118,27 @@ class ThreadGovernor:
         """The process's threads' total wait for a core so far (0 when off); a step's is a difference."""
         return self.clock.read_ms() if self.clock else 0.0
 
-    def _new_call(self, fresh: bool) -> None:
-        self.step, self.fresh = 0, fresh
+    def _new_call(self, key: object) -> None:
+        self.key, self.step = key, 0
         self.window: list[tuple[float, float]] = []  # (ms, wait ms) of recent steps at the chosen count
         self.trying: int | None = None  # the level being tried
         self.tried_ms: list[float] = []
         self.base_ms = 0.0  # mean step time at the chosen count when the try began
 
+    def _set(self, level: int) -> None:
+        self.running = self.levels[level]
+        self.set_threads(self.running)
+
     @contextlib.contextmanager
     def decoding(self, key: object) -> Iterator[ThreadGovernor]:
-        """One generate call's decode loop for the compiled step `key`. The first call of a key
-        starts at the full count: that step compiles, and Inductor emits kernels that follow the
-        run-time count only if it sees the full one. Later calls start at the chosen count. The
-        process's count is restored on exit, whatever happens."""
+        """One generate call's decode loop for the compiled step `key`, at the count chosen so
+        far. The process's count is restored on exit, whatever happens."""
         before = torch.get_num_threads()
-        self._new_call(fresh=key not in self.seen)
-        self.seen.add(key)
+        self._new_call(key)
         try:
             if self.enabled:
                 self.clock = RunQueueClock()
-                self.set_threads(self.full if self.fresh else self.levels[self.level])
+                self._set(self.level)
             yield self
         finally:
             if self.clock:
@@ -150,18 +152,24 @@ class ThreadGovernor:
         step, self.step = self.step, self.step + 1
         if not self.enabled:
             return
-        if step == 0 and self.fresh:  # it compiled: not a sample; from now on the chosen count
-            self.set_threads(self.levels[self.level])
+        if (self.key, self.running) not in self.compiled:
+            # The first step of a compiled step at a thread count compiles it: Dynamo guards on the
+            # count, and Inductor emits kernels for it (a one-off, kept in the compile cache). Not a sample.
+            self.compiled.add((self.key, self.running))
+            if step > 0:
+                self.log(f"[run] decode step {step}: compiled for {self.running} intra-op thread(s) ({ms / 1e3:.1f} s)")
             return
         self.since, self.since_ms = self.since + 1, self.since_ms + ms
         if self.trying is not None:
             self._judge(ms, step)
             return
         self.window = [*self.window[-(WINDOW - 1) :], (ms, wait_ms)]
+        if len(self.window) < PROBE:
+            return
         share = sum(w for _, w in self.window) / max(sum(m for m, _ in self.window), 1e-9)
         if share >= CONTENDED and self.level + 1 < len(self.levels) and self._may("down"):
             self._try(self.level + 1)
-        elif self.level > 0 and len(self.window) >= PROBE and self._may("up", busy=share >= CLEAR):
+        elif self.level > 0 and self._may("up", busy=share >= CLEAR):
             self._try(self.level - 1)
 
     def _may(self, way: str, busy: bool = False) -> bool:
@@ -171,7 +179,7 @@ class ThreadGovernor:
     def _try(self, level: int) -> None:
         self.trying, self.tried_ms = level, []
         self.base_ms = statistics.fmean(m for m, _ in self.window)
-        self.set_threads(self.levels[level])
+        self._set(level)
 
     def _judge(self, ms: float, step: int) -> None:
         self.tried_ms.append(ms)
@@ -189,7 +197,7 @@ class ThreadGovernor:
         else:
             self.wait_for[way] = min(self.wait_for[way] * 2, LAST_WAIT)
             self.lost_ms[way] = max(0.0, sum(self.tried_ms) - base * len(self.tried_ms))
-        self.set_threads(self.levels[self.level])
+        self._set(self.level)
         self.trying, self.window, self.since, self.since_ms = None, [], 0, 0.0
 
     def to_metrics(self, step_threads: list[int]) -> dict:
