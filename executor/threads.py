@@ -3,10 +3,10 @@
 Why: every parallel region of a decode step ends at a barrier where the step's threads wait for
 each other. When another process takes some of the cores, the thread being waited for is often
 not running, and the step waits for the scheduler instead of for work: on the 2-core reference
-VM, with a neighbour running 2-thread matmuls that started after the process, a bench-overhead
-ge_graph step went from ~1 ms to 3.4-6 ms (earlier runs: 135-168 ms) and a Qwen3-0.6B SK decoder
-step from 75 to 200-225 ms, while the same steps on one thread took 1.2x and 1.6x their idle time
-(BENCHMARKS.md, "Under load"). The OpenMP wait policy chosen at start (executor/__init__.py) only
+VM, with a neighbour running 2-thread matmuls that started after the process, a Qwen3-0.6B
+ge_graph step went from 84 to 3,076 ms and bench-overhead ones took up to 144 ms instead of ~1,
+while the same steps on one thread took 1.6x and 1.2x their idle time
+(BENCHMARKS.md, "fifth pass"). The OpenMP wait policy chosen at start (executor/__init__.py) only
 helps a host that is already busy then; libgomp reads it once.
 
 So the decode loop watches how long its threads waited for a core (Linux schedstat: time
@@ -57,9 +57,9 @@ BUDGET = 20  # and a try waits for at least 20x the time the last lost try cost:
 
 @dataclass
 class Change:
-    step: int  # decode step (0-based, within its generate call) from which `to` applies
-    frm: int
-    to: int
+    step: int  # decode step (0-based, within its generate call) from which `threads` applies
+    was: int  # intra-op threads before
+    threads: int  # and from that step on
     why: str
 
 

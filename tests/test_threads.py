@@ -46,7 +46,7 @@ def test_waiting_for_a_core_moves_to_fewer_threads_when_they_are_not_slower(gove
     contended, alone = [(5.0, 2.5)] * 3, [(1.2, 0.3), (1.1, 0.3), (1.3, 0.3)]
     ran = feed(governor, [(900.0, 0.0), *contended, (900.0, 0.0), *alone, (1.2, 0.3)])
     assert ran == [2] * 4 + [1] * 5
-    assert [(c.step, c.frm, c.to) for c in governor.changes] == [(8, 2, 1)]
+    assert [(c.step, c.was, c.threads) for c in governor.changes] == [(8, 2, 1)]
     assert "1 thread(s) ran 1.200 ms/step against 5.000 at 2" in governor.changes[0].why
     assert [line.split(":")[0] for line in governor.lines] == ["[run] decode step 4", "[run] decode step 8"]
     assert "compiled for 1 intra-op thread(s)" in governor.lines[0]
@@ -63,7 +63,7 @@ def test_a_lost_try_goes_back_and_waits_longer_before_the_next(governor):
     # the next try waits for 6 steps and for 20x the 9 ms lost: 36 steps of 5 ms; as fast, so kept
     ran = feed(governor, [(5.0, 2.5)] * 40)
     assert ran == [2] * 36 + [1] * 4
-    assert [(c.step, c.frm, c.to) for c in governor.changes] == [(39, 2, 1)]
+    assert [(c.step, c.was, c.threads) for c in governor.changes] == [(39, 2, 1)]
 
 
 def test_back_to_more_threads_once_the_host_is_free(governor):
@@ -71,7 +71,7 @@ def test_back_to_more_threads_once_the_host_is_free(governor):
     free, faster = [(2.0, 0.0)] * 8, [(1.0, 0.0)] * 3
     ran = feed(governor, [*free, *faster, (1.0, 0.0)])
     assert ran == [1] * 8 + [2] * 4
-    assert [(c.frm, c.to) for c in governor.changes] == [(1, 2)]
+    assert [(c.was, c.threads) for c in governor.changes] == [(1, 2)]
 
 
 def test_a_try_at_more_threads_under_load_ends_at_its_first_slow_step(governor):
