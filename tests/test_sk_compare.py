@@ -22,6 +22,9 @@ from executor.cli import main as cli_main
 from executor.config import load_config
 from executor.logs import decode_average_ms
 from tests.tool_fixtures import recipe_config
+from tools import sk_compare
+
+SIDES = ("baseline", "optimized")
 
 REPO = Path(__file__).resolve().parent.parent
 TOOL = REPO / "tools" / "sk_compare.py"
@@ -76,7 +79,12 @@ def test_end_to_end_both_sides_run(tmp_path, user_config, capsys):
         "prefill and decode are separate": "PASS",
         "model declares regions and the plan marks at least one": "PASS",
         "SuperKernel really ran in the optimized runs": "PASS",
+        "every decode step ran on all intra-op threads": checks["every decode step ran on all intra-op threads"],
     }
+    # that item says what the runs' own metrics say (PASS on an idle host)
+    runs = [json.loads((out / "runs" / f"{side}.{k}" / "metrics.json").read_text()) for side in SIDES for k in (1, 2)]
+    fewer = [sk_compare.fewer_threads(m) for m in runs]
+    assert checks["every decode step ran on all intra-op threads"] == ("WARN" if any(fewer) else "PASS")
     # the copies differ only in the SuperKernel keys and keep the user's comments
     base, opt = (yaml.safe_load((out / f"{s}.yaml").read_text()) for s in ("baseline", "optimized"))
     assert (base["model_config"]["enable_superkernel"], base["model_config"]["superkernel"]) == (
@@ -287,6 +295,16 @@ def test_from_logs_upstream_format(tmp_path, user_config, capsys):
     rc, _, _ = compare(capsys, "--config", str(user_config), "--from-logs", str(base), str(opt), "--out", str(out2))
     checks = {c["item"]: c["status"] for c in json.loads((out2 / "results.json").read_text())["checklist"]}
     assert rc == 0 and checks["prefill and decode are separate"] == "WARN"
+
+
+def test_fewer_threads_counts_the_steps_below_the_run_thread_count():
+    def metrics(enabled: bool, counts: dict) -> dict:
+        return {"threads": 2, "thread_governor": {"enabled": enabled, "steps_per_thread_count": counts}}
+
+    assert sk_compare.fewer_threads(metrics(True, {"2": 40, "1": 8})) == 8
+    assert sk_compare.fewer_threads(metrics(True, {"2": 48})) == 0
+    assert sk_compare.fewer_threads(metrics(False, {"2": 48})) is None  # governor off: nothing to say
+    assert sk_compare.fewer_threads({"threads": 2}) is None  # metrics.json of an older run
 
 
 # ----------------------------------------------------------------------------- errors
