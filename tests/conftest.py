@@ -7,6 +7,7 @@ directories as read-only (copy them to tmp_path before corrupting anything).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +17,12 @@ import tests.checkpoints as ckpt
 import tests.tool_fixtures as tools
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# The decode loop's thread governor (executor/threads.py) reacts to how busy the machine is, and a
+# step at a new thread count compiles again: tests that count compiles or compare runs must not
+# depend on a neighbour. It is off here (runs started from tests inherit this) unless a test turns
+# it on; tests/test_threads.py drives it directly.
+os.environ.setdefault("CANN_RECIPES_ADAPTIVE_THREADS", "0")
 
 
 @pytest.fixture(scope="session")

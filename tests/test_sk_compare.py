@@ -42,7 +42,8 @@ def compare(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 # ----------------------------------------------------------------------------- real runs
-def test_end_to_end_both_sides_run(tmp_path, user_config, capsys):
+def test_end_to_end_both_sides_run(tmp_path, user_config, capsys, monkeypatch):
+    monkeypatch.setenv("CANN_RECIPES_ADAPTIVE_THREADS", "1")  # the project's default, off elsewhere in tests
     before = user_config.read_bytes()
     out = tmp_path / "report"
     rc, _stdout, err = compare(

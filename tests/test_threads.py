@@ -94,6 +94,7 @@ def test_the_process_thread_count_is_restored_after_an_error(governor):
 
 
 def test_off_where_thread_counts_cannot_change_safely(monkeypatch):
+    monkeypatch.delenv(th.ENV, raising=False)  # tests/conftest.py turns it off for the other tests
     cores = os.cpu_count()
     assert "cuda" in ThreadGovernor.for_run("cuda", 1).reason
     assert (
