@@ -13,9 +13,9 @@ So the decode loop watches how long its threads waited for a core (Linux schedst
 runnable but not running) and, when that is a noticeable share of the step, tries the next lower
 thread count for a few steps and keeps it if it is not slower. From a reduced count it tries the
 next higher one again, soon when the waiting has stopped, rarely while it lasts, backing off after
-each try that lost. On an idle host the waiting share stays near zero (0.000-0.002 measured), so
-nothing is tried and the cost is one read of a kept-open file per thread and step (about 1 us
-each).
+each try that lost. On an idle host the waiting share stays near zero (the main thread's read
+0.000-0.002 per step), so nothing is tried and the cost is one read of a kept-open file per
+thread and step (about 1 us each).
 
 The counts tried halve from the process's intra-op thread count down to 1. Dynamo guards a
 compiled step on the thread count, so the first step at a new count compiles the step again for
@@ -44,7 +44,7 @@ ENV = "CANN_RECIPES_ADAPTIVE_THREADS"
 
 WINDOW = 8  # recent steps at the current count that a decision looks at
 PROBE = 3  # steps run at a candidate count before it is judged
-CONTENDED = 0.05  # waiting share that starts a try at fewer threads; an idle host reads 0.000-0.002
+CONTENDED = 0.05  # waiting share that starts a try at fewer threads; an idle host reads near 0
 CLEAR = 0.01  # waiting share under which the host counts as free again
 KEEP_FEWER = 1.05  # fewer threads are kept unless more than 5% slower: they leave cores to the neighbour
 KEEP_MORE = 0.9  # more threads are kept only if at least 10% faster
@@ -87,6 +87,7 @@ class ThreadGovernor:
         self.lost_ms = {"down": 0.0, "up": 0.0}  # what the last lost try cost, per direction
         self.since, self.since_ms = 0, 0.0  # steps and decode time since the last try
         self.compiled: set = set()  # (step key, thread count) pairs that have run once
+        self.running = self.full  # the count the governor last set
         self.clock: RunQueueClock | None = None
         self._new_call(key=None)
 
