@@ -22,7 +22,7 @@ from executor.cli import main as cli_main
 from executor.config import load_config
 from executor.logs import decode_average_ms
 from tests.tool_fixtures import recipe_config
-from tools import sk_compare
+from tools import measure
 
 SIDES = ("baseline", "optimized")
 
@@ -84,8 +84,9 @@ def test_end_to_end_both_sides_run(tmp_path, user_config, capsys, monkeypatch):
     }
     # that item says what the runs' own metrics say (PASS on an idle host)
     runs = [json.loads((out / "runs" / f"{side}.{k}" / "metrics.json").read_text()) for side in SIDES for k in (1, 2)]
-    fewer = [sk_compare.fewer_threads(m) for m in runs]
+    fewer = [measure.fewer_threads(m) for m in runs]
     assert checks["every decode step ran on all intra-op threads"] == ("WARN" if any(fewer) else "PASS")
+    assert [summary[side]["steps_on_fewer_threads"] for side in SIDES] == [sum(fewer[:2]), sum(fewer[2:])]
     # the copies differ only in the SuperKernel keys and keep the user's comments
     base, opt = (yaml.safe_load((out / f"{s}.yaml").read_text()) for s in ("baseline", "optimized"))
     assert (base["model_config"]["enable_superkernel"], base["model_config"]["superkernel"]) == (
@@ -302,10 +303,10 @@ def test_fewer_threads_counts_the_steps_below_the_run_thread_count():
     def metrics(enabled: bool, counts: dict) -> dict:
         return {"threads": 2, "thread_governor": {"enabled": enabled, "steps_per_thread_count": counts}}
 
-    assert sk_compare.fewer_threads(metrics(True, {"2": 40, "1": 8})) == 8
-    assert sk_compare.fewer_threads(metrics(True, {"2": 48})) == 0
-    assert sk_compare.fewer_threads(metrics(False, {"2": 48})) is None  # governor off: nothing to say
-    assert sk_compare.fewer_threads({"threads": 2}) is None  # metrics.json of an older run
+    assert measure.fewer_threads(metrics(True, {"2": 40, "1": 8})) == 8
+    assert measure.fewer_threads(metrics(True, {"2": 48})) == 0
+    assert measure.fewer_threads(metrics(False, {"2": 48})) is None  # governor off: nothing to say
+    assert measure.fewer_threads({"threads": 2}) is None  # metrics.json of an older run
 
 
 # ----------------------------------------------------------------------------- errors

@@ -307,6 +307,16 @@ def fmt(x, spec: str = ".3f", suffix: str = "", missing: str = "n/a") -> str:
     return missing if x is None else f"{x:{spec}}{suffix}"
 
 
+def fewer_threads(metrics: dict) -> int | None:
+    """Decode steps of a run that ran on fewer intra-op threads than it started with (the host
+    was busy; executor/threads.py); None when its thread governor was off (not a CPU run, several
+    ranks, one thread) or the metrics predate it."""
+    gov = metrics.get("thread_governor") or {}
+    if not gov.get("enabled"):
+        return None
+    return sum(n for threads, n in gov["steps_per_thread_count"].items() if int(threads) < metrics["threads"])
+
+
 def summarise(results: list[RunResult]) -> dict:
     """Per-side statistics over the measured (index >= 1), successful runs."""
     measured = [r for r in results if r.index >= 1]
@@ -336,7 +346,13 @@ def summarise(results: list[RunResult]) -> dict:
         "tokens_per_s": (ok[0].batch_size or 1) * 1000.0 / step if step > 0 else None,
         "prefill_ms": stats.median(prefills) if prefills else None,
         "peak_memory_mb": max((r.peak_memory_mb for r in ok if r.peak_memory_mb is not None), default=None),
+        "steps_on_fewer_threads": _sum_known(fewer_threads(r.metrics) for r in ok if r.metrics),
     }
+
+
+def _sum_known(values) -> int | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
 
 
 def compare(base: list[RunResult], opt: list[RunResult]) -> dict:

@@ -338,7 +338,13 @@ def run_candidate(search: Search, cand: dict, rec: dict, position: str) -> None:
         progress(
             f"{position} {name}: {rec['status']}"
             + (f", {rec['summary']['step_ms']:.3f} ms/step" if rec["status"] == "done" else f" ({rec.get('reason')})")
+            + (f"; {n} decode steps on fewer threads (a busy host)" if (n := _fewer(rec)) else "")
         )
+
+
+def _fewer(rec: dict) -> int:
+    """Decode steps of a candidate that ran on fewer intra-op threads (executor/threads.py)."""
+    return (rec.get("summary") or {}).get("steps_on_fewer_threads") or 0
 
 
 # ----------------------------------------------------------------------------- main

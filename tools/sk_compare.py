@@ -208,7 +208,7 @@ def checklist(cfg, platform: Platform, results: dict[str, list[RunResult]], exte
             "SuperKernel really ran in the optimized runs",
         ):
             add(item, "WARN", "no metrics.json from a successful optimized run")
-    fewer = {side: [fewer_threads(m) for m in ms] for side, ms in (("baseline", base_m), ("optimized", opt_m))}
+    fewer = {side: [measure.fewer_threads(m) for m in ms] for side, ms in (("baseline", base_m), ("optimized", opt_m))}
     if any(n is not None for ns in fewer.values() for n in ns):  # a CPU run with the thread governor on
         busy = {side: sum(n or 0 for n in ns) for side, ns in fewer.items()}
         add(
@@ -218,15 +218,6 @@ def checklist(cfg, platform: Platform, results: dict[str, list[RunResult]], exte
             f"optimized {busy['optimized']}" + ("; compare on an idle host" if any(busy.values()) else ""),
         )
     return items
-
-
-def fewer_threads(metrics: dict) -> int | None:
-    """Decode steps of a run that ran on fewer intra-op threads than it started with; None when
-    its thread governor was off (not a CPU run, several ranks, one thread)."""
-    gov = metrics.get("thread_governor") or {}
-    if not gov.get("enabled"):
-        return None
-    return sum(n for threads, n in gov["steps_per_thread_count"].items() if int(threads) < metrics["threads"])
 
 
 # ----------------------------------------------------------------------------- report
