@@ -158,7 +158,10 @@ class ThreadGovernor:
             # count, and Inductor emits kernels for it (a one-off, kept in the compile cache). Not a sample.
             self.compiled.add((self.key, self.running))
             if step > 0:
-                self.log(f"[run] decode step {step}: compiled for {self.running} intra-op thread(s) ({ms / 1e3:.1f} s)")
+                self.log(
+                    f"[run] decode step {step}: first step on {self.running} intra-op thread(s), {ms / 1e3:.1f} s "
+                    "(a compiled step is compiled again for each thread count)"
+                )
             return
         self.since, self.since_ms = self.since + 1, self.since_ms + ms
         if self.trying is not None:

@@ -49,7 +49,7 @@ def test_waiting_for_a_core_moves_to_fewer_threads_when_they_are_not_slower(gove
     assert [(c.step, c.was, c.threads) for c in governor.changes] == [(8, 2, 1)]
     assert "1 thread(s) ran 1.200 ms/step against 5.000 at 2" in governor.changes[0].why
     assert [line.split(":")[0] for line in governor.lines] == ["[run] decode step 4", "[run] decode step 8"]
-    assert "compiled for 1 intra-op thread(s)" in governor.lines[0]
+    assert "first step on 1 intra-op thread(s), 0.9 s" in governor.lines[0]
     assert torch.get_num_threads() == 2  # the call's end restores the process's count
     # the next call of the same compiled step starts at the chosen count, compiled already
     assert feed(governor, [(1.2, 0.3)] * 3) == [1, 1, 1]
