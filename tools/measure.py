@@ -346,12 +346,13 @@ def summarise(results: list[RunResult]) -> dict:
         "tokens_per_s": (ok[0].batch_size or 1) * 1000.0 / step if step > 0 else None,
         "prefill_ms": stats.median(prefills) if prefills else None,
         "peak_memory_mb": max((r.peak_memory_mb for r in ok if r.peak_memory_mb is not None), default=None),
-        "steps_on_fewer_threads": _sum_known(fewer_threads(r.metrics) for r in ok if r.metrics),
+        "steps_on_fewer_threads": steps_on_fewer_threads([r.metrics for r in ok if r.metrics]),
     }
 
 
-def _sum_known(values) -> int | None:
-    known = [v for v in values if v is not None]
+def steps_on_fewer_threads(runs: list[dict]) -> int | None:
+    """`fewer_threads` summed over runs' metrics; None when no run had the governor on."""
+    known = [n for n in map(fewer_threads, runs) if n is not None]
     return sum(known) if known else None
 
 

@@ -208,9 +208,9 @@ def checklist(cfg, platform: Platform, results: dict[str, list[RunResult]], exte
             "SuperKernel really ran in the optimized runs",
         ):
             add(item, "WARN", "no metrics.json from a successful optimized run")
-    fewer = {side: [measure.fewer_threads(m) for m in ms] for side, ms in (("baseline", base_m), ("optimized", opt_m))}
-    if any(n is not None for ns in fewer.values() for n in ns):  # a CPU run with the thread governor on
-        busy = {side: sum(n or 0 for n in ns) for side, ns in fewer.items()}
+    fewer = {"baseline": measure.steps_on_fewer_threads(base_m), "optimized": measure.steps_on_fewer_threads(opt_m)}
+    if any(n is not None for n in fewer.values()):  # a CPU run with the thread governor on
+        busy = {side: n or 0 for side, n in fewer.items()}
         add(
             "every decode step ran on all intra-op threads",
             "WARN" if any(busy.values()) else "PASS",
