@@ -1,5 +1,5 @@
 """The decode loop's thread governor (executor/threads.py): its choices for given step times and
-waits, the real schedstat clock, and a real run whose steps change thread count mid-call."""
+waits, the real schedstat clock, and real runs (eager and ge_graph) on the count it chose."""
 
 import os
 import subprocess
