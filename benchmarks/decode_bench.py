@@ -45,6 +45,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from executor.backends import packed_linear  # noqa: E402
 from executor.arch import MODEL_SIZES, ModelArch, arch_from_dict  # noqa: E402
 from executor.config import load_config  # noqa: E402
 from executor.parallel import launch, runtime  # noqa: E402
@@ -108,7 +109,14 @@ def matmul_tflops(platform: Platform, dtype: torch.dtype, n: int = 1536) -> floa
     if platform.kind != "cpu":
         n = 8192  # an accelerator needs a large product to reach its rate
     a, b = (torch.randn(n, n, device=platform.kind).to(dtype) for _ in range(2))
-    return 2 * n**3 / _best(platform, lambda: a @ b, 5) / 1e12  # the warm-up creates oneDNN's primitive
+    products = [lambda: a @ b]
+    if platform.kind == "cpu" and packed_linear.supported(dtype):
+        # The fastest of the CPU's libraries: aten's fp32 product is MKL's sgemm, which ran at
+        # 0.13 TFLOP/s on the AMD reference machine where oneDNN ran the same product at 0.21
+        # (what the runner's prefill and batched decode use); a roofline on the slower one flatters.
+        packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), n)
+        products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
+    return max(2 * n**3 / _best(platform, fn, 5) / 1e12 for fn in products)  # the warm-up creates oneDNN's primitive
 
 
 def step_cost(arch: ModelArch, dtype_bytes: int, batch: int, context: int) -> tuple[float, float]:
