@@ -177,6 +177,7 @@ def plot(path: Path, rows: list, title: str) -> None:
     ax.plot(lengths, [r[1] for r in rows], "k--", label="roofline")
     ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="time to first token (ms)", title=title)
     ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.set_xticks([], minor=True)  # the log axis would label its minor ticks over these
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
