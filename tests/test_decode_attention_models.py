@@ -155,3 +155,23 @@ def test_qwen3_moe_with_the_custom_op_matches_hf_in_its_moe_plans(moe_ckpt, plan
         assert tokens == ckpt.reference_greedy(hf, prompt, MAX_NEW), plan
         theirs = hf(input_ids=torch.tensor([prompt + tokens[:-1]]), use_cache=False).logits[0, -1].float()
         assert (gen.last_logits[row] - theirs).abs().max().item() < 1e-4, plan
+
+
+@pytest.mark.parametrize("store_once", [False, True], ids=["inductor_alone", "stored_once"])
+def test_the_mask_is_computed_once_per_step_not_once_per_layer(make_qwen_runner, qwen3_ckpt, monkeypatch, store_once):
+    """The decode mask (B, 1, 1, max_len) feeds every layer's op. Left to Inductor, each layer's
+    kernel computed it again into its own buffer (a step that grew with max_len although the op
+    reads only the valid slots); executor.backends.inductor stores it once."""
+    from torch._inductor.utils import run_and_get_code
+
+    import executor.backends.inductor as inductor
+
+    if not store_once:
+        monkeypatch.setattr(inductor, "_store_shared_opaque_inputs", lambda gm: 0)
+    runner = make_qwen_runner(
+        qwen3_ckpt, *CUSTOM_OPS, "model_config.exe_mode=ge_graph", "model_config.enable_cache_compile=false"
+    )
+    _, code = run_and_get_code(lambda: runner.generate([[7, 42, 133]], 3))
+    mask = f"empty_strided_cpu((1, 1, 1, {runner.max_len}), "
+    buffers = sum(line.count(mask) for src in code for line in src.splitlines() if "torch.bool" in line)
+    assert buffers == (1 if store_once else len(runner.model.layers)), buffers

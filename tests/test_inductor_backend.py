@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from executor.backends import packed_linear
-from executor.backends.inductor import INDUCTOR_DECOMPOSE_MAX_DIM, _gemv_to_reduction, compile_inductor
+from executor.backends.inductor import (
+    INDUCTOR_DECOMPOSE_MAX_DIM,
+    _gemv_to_reduction,
+    _store_shared_opaque_inputs,
+    compile_inductor,
+)
 from executor.scope import superkernel_scope
 
 
@@ -99,3 +104,32 @@ def test_batched_linears_compile_to_the_same_result_packing_each_weight_once(sup
         assert packed_linear._packed.kept(up.weight) is not first[up.weight]
     if superkernel:
         assert compiled.compiler.stats.scopes["ffn"].segments == 1  # the op joined the scope's launch unit
+
+
+@torch.library.custom_op("recipes_test::masked_row_sum", mutates_args=())
+def masked_row_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Stands for an extern kernel such as cann::decode_attention: Inductor calls it, never inlines it."""
+    return x.masked_fill(mask, 0.0).sum(-1)
+
+
+@masked_row_sum.register_fake
+def _(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[:-1])
+
+
+
+def test_a_value_several_custom_ops_read_is_stored_once():
+    def step(x, p):
+        mask = torch.arange(x.shape[-1]) > p  # one mask for every layer, like the decode step's
+        return masked_row_sum(x, mask) + masked_row_sum(x * 2.0, mask)
+
+    args = (torch.randn(3, 4096), torch.tensor(1000))
+    gm = _trace(step, *args)
+    assert _store_shared_opaque_inputs(gm) == 1
+    force = [n for n in gm.graph.nodes if n.target is torch.ops.prims.inductor_force_stride_order.default]
+    assert len(force) == 1 and len(force[0].users) == 2  # both calls read the stored copy
+    with torch.no_grad():
+        compiled = compile_inductor(step, False, "cpu")
+        torch.testing.assert_close(compiled(*args), step(*args))
+    # (That Inductor alone recomputed it per call is checked on a whole model, where it did:
+    # tests/test_decode_attention_models.py.)

@@ -115,6 +115,53 @@ def _lower_cpu_gemms(gm: torch.fx.GraphModule) -> None:
     pack_batched_linears(gm)
 
 
+def _opaque(node: torch.fx.Node) -> bool:
+    """A call Inductor cannot look into (a custom op: it runs as an extern kernel)."""
+    target = node.target
+    if node.op != "call_function":
+        return False
+    if isinstance(target, torch._ops.OpOverloadPacket):  # what Dynamo records for `torch.ops.ns.op(...)`
+        target = getattr(target, target.overloads()[0])
+    return isinstance(target, torch._ops.OpOverload) and target.namespace not in ("aten", "prims", "sk")
+
+
+def _store_shared_opaque_inputs(gm: torch.fx.GraphModule) -> int:
+    """Store once a computed tensor that several custom-op calls read.
+
+    Why: Inductor inlines a cheap pointwise value into each consumer, and an extern consumer
+    needs it stored, so each one got its own copy computed again. The decode mask (B, 1, 1,
+    max_len) feeds every layer's `cann::decode_attention`: recomputed per layer it cost ~0.7 ms
+    per step at 16k slots on the bench-overhead model (8 layers; a bool store per slot), i.e. a
+    step that grew with max_len although the op reads only the valid slots. Returns how many
+    values are now stored once."""
+    import torch._inductor.inductor_prims  # noqa: F401  registers prims.inductor_force_stride_order
+
+    stored = 0
+    for node in list(gm.graph.nodes):
+        value = node.meta.get("example_value")
+        if node.op != "call_function" or not isinstance(value, torch.Tensor):
+            continue
+        users = [u for u in node.users if _opaque(u)]
+        if len(users) < 2:
+            continue
+        with gm.graph.inserting_after(node):
+            once = gm.graph.call_function(
+                torch.ops.prims.inductor_force_stride_order.default, (node, tuple(value.stride()))
+            )
+        for user in users:
+            user.replace_input_with(node, once)
+        stored += 1
+    gm.recompile()
+    return stored
+
+
+def _before_inductor(gm: torch.fx.GraphModule, device: str) -> None:
+    """The graph passes every compiled decode graph (or SuperKernel segment) gets."""
+    _store_shared_opaque_inputs(gm)
+    if device == "cpu":
+        _lower_cpu_gemms(gm)
+
+
 class ScopeCheckError(RecipeError):
     """strict-scope-check=abort found an op that cannot join its scope."""
 
@@ -226,8 +273,7 @@ class _Segment(torch.nn.Module):
             # CPU launch unit = the C++ wrapper; CUDA launch unit = one CUDA graph (captured by us:
             # Inductor's own cudagraphs silently skip graphs that mutate inputs, like the KV cache).
             patch = CPU_LAUNCH_UNIT if self.fused and self.device == "cpu" else {}
-            if self.device == "cpu":
-                _lower_cpu_gemms(self.gm)
+            _before_inductor(self.gm, self.device)
             with inductor_config.patch(patch):
                 self.fn = compile_fx(self.gm, _fake_inputs(args))
             if self.fused and self.device == "cuda":
@@ -275,8 +321,7 @@ class GraphCompiler:
         if not self.superkernel:
             from torch._inductor.compile_fx import compile_fx
 
-            if self.device == "cpu":
-                _lower_cpu_gemms(gm)
+            _before_inductor(gm, self.device)
             return compile_fx(gm, example_inputs)
         return self._split(gm)
 
