@@ -44,7 +44,14 @@ def supported(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-@torch.library.custom_op("cann_cpu::packed_linear", mutates_args=())
+# Defined with the low-level Library API, not `torch.library.custom_op`: a decode step calls it
+# once per projection (113 times at the 0.6B shape), and custom_op's Python wrapper cost 27-47 us
+# more per call than this plain dispatcher registration on the reference machine (two
+# micro-benchmarks; BENCHMARKS.md, "sixth pass"): 3-5 ms of a ~60 ms bf16 batch-4 step.
+_lib = torch.library.Library("cann_cpu", "DEF")
+_lib.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+
+
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`linear(x, weight, bias)` through oneDNN with `weight` packed once for x's row count."""
     rows = x.numel() // x.shape[-1]
@@ -52,7 +59,10 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-@packed_linear.register_fake
+_lib.impl("packed_linear", packed_linear, "CPU")
+
+
+@torch.library.register_fake("cann_cpu::packed_linear")
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
