@@ -124,6 +124,7 @@ def test_dense_search_resumes_ranks_and_applies_the_winner(dense_search):
         assert recs[n]["speedup_vs_baseline"] == pytest.approx(ms["baseline"] / ms[n])
         assert recs[n]["winner_speedup_over"] == pytest.approx(ms[n] / ms[winner])
     table = pd.read_csv(out / "scope_search.csv")
+    assert table["steps_on_fewer_threads"].isna().all()  # the governor is off in tests (conftest.py)
     assert list(table["candidate"][:3]) == sorted(measured, key=ms.get)
     assert table["rank"][:3].tolist() == [1, 2, 3]
     assert table["status"].tolist()[-1] == "failed"
@@ -313,3 +314,13 @@ def test_apply_changes_restores_on_refusal_and_keeps_comments(tmp_path):
     assert mc["enable_superkernel"] is True
     assert mc["superkernel"] == {"custom": [{"regions": ["layer_*_m??"], "label": "ffn"}]}
     assert res.backup.read_text() == original and "+  enable_superkernel: true" in res.diff
+
+
+def test_the_report_notes_candidates_measured_on_fewer_threads():
+    from tools.scope_search import _note
+
+    assert _note({"reason": None, "steps_on_fewer_threads": None}) == ""
+    assert _note({"reason": None, "steps_on_fewer_threads": 0}) == ""
+    assert _note({"reason": "slower", "steps_on_fewer_threads": 3}) == (
+        "slower; 3 decode steps on fewer threads (a busy host)"
+    )

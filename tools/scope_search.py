@@ -342,6 +342,15 @@ def run_candidate(search: Search, cand: dict, rec: dict, position: str) -> None:
         )
 
 
+def _note(row: dict) -> str:
+    """The report's note column: why a candidate was rejected or skipped, and whether its decode
+    ran on fewer threads (the host was busy while it was measured: its time is not like for like)."""
+    notes = [row["reason"]] if row["reason"] else []
+    if row["steps_on_fewer_threads"]:
+        notes.append(f"{row['steps_on_fewer_threads']} decode steps on fewer threads (a busy host)")
+    return "; ".join(notes)
+
+
 def _fewer(rec: dict) -> int:
     """Decode steps of a candidate that ran on fewer intra-op threads (executor/threads.py)."""
     return (rec.get("summary") or {}).get("steps_on_fewer_threads") or 0
@@ -566,6 +575,7 @@ def write_report(out: Path, args, config: Path, platform, status: dict, ranked, 
                 "ppl": a.get("ppl"),
                 "ppl_diff_percent": None if a.get("ppl_diff") is None else 100 * a["ppl_diff"],
                 "reason": r.get("reason"),
+                "steps_on_fewer_threads": s.get("steps_on_fewer_threads"),  # None: the governor was off
             }
         )
     table = pd.DataFrame(rows)
@@ -638,7 +648,7 @@ def write_report(out: Path, args, config: Path, platform, status: dict, ranked, 
         f"{fmt(r['step_ms'])} | {fmt(r['tokens_per_s'], '.1f')} | {fmt(r['cv_percent'], '.1f', '%')} | "
         f"{fmt(r['speedup_vs_baseline'], '.3f', 'x')} | {fmt(r['winner_speedup_over'], '.3f', 'x')} | "
         f"{fmt(r['cosine_worst'], '.6f')} | {fmt(r['ppl'], '.4f')} ({fmt(r['ppl_diff_percent'], '+.2f', '%')}) | "
-        f"{r['reason'] or ''} |"
+        f"{_note(r)} |"
         for r in rows
     ]
     head += ["", "Not applicable to this model:", ""] + [f"- {s['name']}: {s['reason']}" for s in status["skipped"]]
