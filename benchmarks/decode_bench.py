@@ -104,8 +104,10 @@ def _best(platform: Platform, fn, runs: int) -> float:
 
 
 def matmul_tflops(platform: Platform, dtype: torch.dtype, n: int = 1536) -> float:
-    """Dense matmul rate in TFLOP/s for `dtype` (an n x n x n product, best of 5): the compute
-    side of the roofline, what a large-batch or prefill step can at best reach on this machine."""
+    """Dense matmul rate in TFLOP/s for `dtype` (an n x n x n product, best of 20 per library):
+    the compute side of the roofline, what a large-batch or prefill step can at best reach on this
+    machine. Best of 20, not 5: on the shared reference VM five calls (~0.15 s) once read 0.11
+    TFLOP/s in fp32, below what the same run's batch-64 decode step reached (0.14)."""
     if platform.kind != "cpu":
         n = 8192  # an accelerator needs a large product to reach its rate
     a, b = (torch.randn(n, n, device=platform.kind).to(dtype) for _ in range(2))
@@ -116,7 +118,7 @@ def matmul_tflops(platform: Platform, dtype: torch.dtype, n: int = 1536) -> floa
         # (what the runner's prefill and batched decode use); a roofline on the slower one flatters.
         packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), n)
         products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
-    return max(2 * n**3 / _best(platform, fn, 5) / 1e12 for fn in products)  # the warm-up creates oneDNN's primitive
+    return max(2 * n**3 / _best(platform, fn, 20) / 1e12 for fn in products)  # the warm-up creates oneDNN's primitive
 
 
 def step_cost(arch: ModelArch, dtype_bytes: int, batch: int, context: int) -> tuple[float, float]:

@@ -45,6 +45,16 @@ def test_only_single_row_linears_above_inductors_own_limit_are_rewritten():
 
 
 @pytest.mark.parametrize("superkernel", [False, True])
+@pytest.mark.parametrize("launch_unit", [False, True])
+def test_a_gemv_inductor_decomposes_is_rewritten_only_where_it_does_not(launch_unit):
+    # 2048 x 512: within Inductor's decomposition limits, above the size left to sgemv elsewhere
+    mid = torch.nn.Linear(512, packed_linear.MIN_WEIGHT_NUMEL // 512, bias=False)
+    assert max(mid.weight.shape) <= INDUCTOR_DECOMPOSE_MAX_DIM
+    gm = _trace(lambda x: mid(x), torch.randn(1, 1, 512))
+    assert _gemv_to_reduction(gm, decomposes_small=launch_unit) == (0 if launch_unit else 1)
+
+
+@pytest.mark.parametrize("superkernel", [False, True])
 def test_large_gemv_compiles_to_the_same_result(superkernel):
     torch.manual_seed(0)
     lin = torch.nn.Linear(256, 3 * INDUCTOR_DECOMPOSE_MAX_DIM)

@@ -48,7 +48,7 @@ from executor.backends.base import (
     cache_root,
     keyed_cache_dir,
 )
-from executor.backends.packed_linear import pack_batched_linears
+from executor.backends.packed_linear import MIN_WEIGHT_NUMEL, pack_batched_linears
 from executor.errors import RecipeError
 from executor.scope import SCOPE_ENTER, SCOPE_EXIT, parse_options
 
@@ -64,14 +64,17 @@ CPU_LAUNCH_UNIT = {"cpp_wrapper": True, "post_grad_fusion_options": {"decompose_
 INDUCTOR_DECOMPOSE_MAX_DIM = 2048  # Inductor's decompose_mm_pass only takes M=1 GEMMs with K, N <= this
 
 
-def _gemv_to_reduction(gm: torch.fx.GraphModule) -> int:
+def _gemv_to_reduction(gm: torch.fx.GraphModule, decomposes_small: bool = False) -> int:
     """Rewrite `linear(x, W, b)` with a single row of x (decode, batch 1) as sum(x * W, -1) + b.
 
     Why: a decode step on CPU is a stream over the weights, and for large GEMVs (e.g. a 622 MB
     lm_head) MKL's sgemv streamed them at ~17 GB/s on the 2-core reference machine against
     ~35 GB/s for the vectorised reduction Inductor generates from this form. Applied to every
-    compiled CPU decode graph (ge_graph with or without SuperKernel), only to GEMVs larger than
-    Inductor's own M=1 decomposition takes. The input row is materialised first (Inductor's
+    compiled CPU decode graph (ge_graph with or without SuperKernel). Where Inductor's own M=1
+    decomposition runs (`decomposes_small`: a SuperKernel launch unit) it keeps the GEMVs it
+    takes (K, N <= 2048); elsewhere those stay extern sgemv calls, so every GEMV of at least
+    MIN_WEIGHT_NUMEL elements is rewritten there (the 0.6B shape's o_proj, 2048 x 1024: plain
+    ge_graph left its 28 to sgemv, a lowering difference SK decoder was credited with). The input row is materialised first (Inductor's
     force_stride_order copy): left to Inductor, the norm before a projection was recomputed
     inside the reduction per weight row, which made the bf16 0.6B-shape step compute-bound
     (SK decoder 63 -> 37 ms/step once stored; BENCHMARKS.md). Returns how many linears were rewritten.
@@ -89,8 +92,9 @@ def _gemv_to_reduction(gm: torch.fx.GraphModule) -> int:
         weight = w.meta.get("example_value") if isinstance(w, torch.fx.Node) else None
         if not isinstance(value, torch.Tensor) or value.numel() != value.shape[-1] or weight is None:
             continue
-        if max(weight.shape) <= INDUCTOR_DECOMPOSE_MAX_DIM:  # Inductor's own pass does small ones better
-            continue
+        small = max(weight.shape) <= INDUCTOR_DECOMPOSE_MAX_DIM
+        if small and (decomposes_small or weight.numel() < MIN_WEIGHT_NUMEL):
+            continue  # Inductor's decomposition does these better; small ones sit in cache anyway
         with gm.graph.inserting_before(node):
             # Store the input row before the reduction reads it: otherwise Inductor inlines the
             # pointwise chain that made it (the residual add and RMSNorm) into the reduction's
@@ -108,10 +112,10 @@ def _gemv_to_reduction(gm: torch.fx.GraphModule) -> int:
     return rewritten
 
 
-def _lower_cpu_gemms(gm: torch.fx.GraphModule) -> None:
+def _lower_cpu_gemms(gm: torch.fx.GraphModule, decomposes_small: bool) -> None:
     """The decode GEMMs' CPU lowerings, before Inductor: large single-row ones become generated
     reductions, batched ones oneDNN calls on weights packed once (executor.backends.packed_linear)."""
-    _gemv_to_reduction(gm)
+    _gemv_to_reduction(gm, decomposes_small)
     pack_batched_linears(gm)
 
 
@@ -155,11 +159,12 @@ def _store_shared_opaque_inputs(gm: torch.fx.GraphModule) -> int:
     return stored
 
 
-def _before_inductor(gm: torch.fx.GraphModule, device: str) -> None:
-    """The graph passes every compiled decode graph (or SuperKernel segment) gets."""
+def _before_inductor(gm: torch.fx.GraphModule, device: str, launch_unit: bool = False) -> None:
+    """The graph passes every compiled decode graph (or SuperKernel segment) gets; `launch_unit`:
+    compiled as one SuperKernel launch unit (CPU_LAUNCH_UNIT)."""
     _store_shared_opaque_inputs(gm)
     if device == "cpu":
-        _lower_cpu_gemms(gm)
+        _lower_cpu_gemms(gm, decomposes_small=launch_unit)
 
 
 class ScopeCheckError(RecipeError):
@@ -273,7 +278,7 @@ class _Segment(torch.nn.Module):
             # CPU launch unit = the C++ wrapper; CUDA launch unit = one CUDA graph (captured by us:
             # Inductor's own cudagraphs silently skip graphs that mutate inputs, like the KV cache).
             patch = CPU_LAUNCH_UNIT if self.fused and self.device == "cpu" else {}
-            _before_inductor(self.gm, self.device)
+            _before_inductor(self.gm, self.device, launch_unit=self.fused)
             with inductor_config.patch(patch):
                 self.fn = compile_fx(self.gm, _fake_inputs(args))
             if self.fused and self.device == "cuda":
