@@ -44,7 +44,6 @@ def test_only_single_row_linears_above_inductors_own_limit_are_rewritten():
     assert [n.target for n in gm.graph.nodes].count(force) == 1
 
 
-@pytest.mark.parametrize("superkernel", [False, True])
 @pytest.mark.parametrize("launch_unit", [False, True])
 def test_a_gemv_inductor_decomposes_is_rewritten_only_where_it_does_not(launch_unit):
     # 2048 x 512: within Inductor's decomposition limits, above the size left to sgemv elsewhere
