@@ -45,8 +45,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from executor.backends import packed_linear  # noqa: E402
 from executor.arch import MODEL_SIZES, ModelArch, arch_from_dict  # noqa: E402
+from executor.backends import packed_linear  # noqa: E402
 from executor.config import load_config  # noqa: E402
 from executor.parallel import launch, runtime  # noqa: E402
 from executor.platform import Platform, detect, timer  # noqa: E402

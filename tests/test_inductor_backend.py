@@ -126,7 +126,6 @@ def _(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[:-1])
 
 
-
 def test_a_value_several_custom_ops_read_is_stored_once():
     def step(x, p):
         mask = torch.arange(x.shape[-1]) > p  # one mask for every layer, like the decode step's

@@ -1,10 +1,11 @@
 """fp32 linears of the eager prefill on CPU: oneDNN instead of aten's sgemm.
 
 Why: in this torch build aten's fp32 `linear` is MKL's sgemm, and on the reference machine (an
-AMD EPYC) it ran the Qwen3-0.6B prefill's GEMMs at 60-90 GFLOP/s, while oneDNN, which this
-build also carries, ran the same products 1.2-1.7x faster on the plain, unpacked weight
-(M = 128-2048 rows; a square product: 133 against 207 GFLOP/s; BENCHMARKS.md, "sixth pass"). The fp32 prefill is ~90% GEMMs, so this is
-most of its time. bf16 is left alone: aten already sends bf16 linears to oneDNN.
+AMD EPYC) it ran the Qwen3-0.6B prefill's GEMMs at 60-90 GFLOP/s, while oneDNN, which this build
+also carries, ran the same products 1.2-1.7x faster on the plain, unpacked weight (M = 128-2048
+rows; a square product: 133 against 207 GFLOP/s; BENCHMARKS.md, "sixth pass"). The fp32 prefill
+is ~90% GEMMs, so this is most of its time. bf16 is left alone: aten already sends bf16 linears
+to oneDNN.
 
 Only what runs eagerly goes through here: the prefill (executor.runner). A compiled decode
 graph picks its own kernels (the GEMV lowering and `cann_cpu::packed_linear`), and a torch

@@ -68,16 +68,17 @@ def _gemv_to_reduction(gm: torch.fx.GraphModule, decomposes_small: bool = False)
     """Rewrite `linear(x, W, b)` with a single row of x (decode, batch 1) as sum(x * W, -1) + b.
 
     Why: a decode step on CPU is a stream over the weights, and for large GEMVs (e.g. a 622 MB
-    lm_head) MKL's sgemv streamed them at ~17 GB/s on the 2-core reference machine against
-    ~35 GB/s for the vectorised reduction Inductor generates from this form. Applied to every
+    lm_head) MKL's sgemv streamed them at ~17 GB/s on the 2-core reference machine against ~35
+    GB/s for the vectorised reduction Inductor generates from this form. Applied to every
     compiled CPU decode graph (ge_graph with or without SuperKernel). Where Inductor's own M=1
     decomposition runs (`decomposes_small`: a SuperKernel launch unit) it keeps the GEMVs it
     takes (K, N <= 2048); elsewhere those stay extern sgemv calls, so every GEMV of at least
     MIN_WEIGHT_NUMEL elements is rewritten there (the 0.6B shape's o_proj, 2048 x 1024: plain
-    ge_graph left its 28 to sgemv, a lowering difference SK decoder was credited with). The input row is materialised first (Inductor's
-    force_stride_order copy): left to Inductor, the norm before a projection was recomputed
-    inside the reduction per weight row, which made the bf16 0.6B-shape step compute-bound
-    (SK decoder 63 -> 37 ms/step once stored; BENCHMARKS.md). Returns how many linears were rewritten.
+    ge_graph left its 28 to sgemv, a lowering difference SK decoder was credited with). The
+    input row is materialised first (Inductor's force_stride_order copy): left to Inductor, the
+    norm before a projection was recomputed inside the reduction per weight row, which made the
+    bf16 0.6B-shape step compute-bound (SK decoder 63 -> 37 ms/step once stored; BENCHMARKS.md).
+    Returns how many linears were rewritten.
     """
     # Importing it registers prims.inductor_force_stride_order.
     import torch._inductor.inductor_prims
@@ -138,7 +139,7 @@ def _store_shared_opaque_inputs(gm: torch.fx.GraphModule) -> int:
     per step at 16k slots on the bench-overhead model (8 layers; a bool store per slot), i.e. a
     step that grew with max_len although the op reads only the valid slots. Returns how many
     values are now stored once."""
-    import torch._inductor.inductor_prims  # noqa: F401  registers prims.inductor_force_stride_order
+    import torch._inductor.inductor_prims  # registers prims.inductor_force_stride_order
 
     stored = 0
     for node in list(gm.graph.nodes):
