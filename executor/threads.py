@@ -22,7 +22,8 @@ compiled step on the thread count, so the first step at a new count compiles the
 that count (Inductor then emits kernels for it): seconds at small sizes, about as long as the first
 compile at large ones, once per process and count, and kept in the compile cache. That step is
 logged and is not a sample; a try at fewer threads needs at least three recent steps whose
-threads waited 5% of the time or more, which an idle host does not show. Off with several ranks
+threads waited 5% of the time or more and 1 ms per step on average, which an idle host does not
+show. Off with several ranks
 (every rank must compute replicated values in the same order) and off the CPU (host threads there
 only launch kernels). Each decode step's thread count is returned with its time, and metrics.json
 says whether the governor was on, why not, and every change it made.
@@ -45,6 +46,10 @@ ENV = "CANN_RECIPES_ADAPTIVE_THREADS"
 WINDOW = 8  # recent steps at the current count that a decision looks at
 PROBE = 3  # steps run at a candidate count before it is judged
 CONTENDED = 0.05  # waiting share that starts a try at fewer threads; an idle host reads near 0
+# ... and the waiting it takes per step, on average: on sub-ms steps a scheduler blip alone made
+# 5% (`bash infer.sh`, 0.6 ms steps right after a test suite exited: 4 steps moved to one thread
+# for a 14 s recompile). A neighbour that matters costs ms per step (fifth pass: up to 3 s).
+MIN_WAIT_MS = 1.0
 CLEAR = 0.01  # waiting share under which the host counts as free again
 KEEP_FEWER = 1.05  # fewer threads are kept unless more than 5% slower: they leave cores to the neighbour
 KEEP_MORE = 0.9  # more threads are kept only if at least 10% faster
@@ -170,8 +175,10 @@ class ThreadGovernor:
         self.window = [*self.window[-(WINDOW - 1) :], (ms, wait_ms)]
         if len(self.window) < PROBE:
             return
-        share = sum(w for _, w in self.window) / max(sum(m for m, _ in self.window), 1e-9)
-        if share >= CONTENDED and self.level + 1 < len(self.levels) and self._may("down"):
+        waited = sum(w for _, w in self.window)
+        share = waited / max(sum(m for m, _ in self.window), 1e-9)
+        contended = share >= CONTENDED and waited >= MIN_WAIT_MS * len(self.window)
+        if contended and self.level + 1 < len(self.levels) and self._may("down"):
             self._try(self.level + 1)
         elif self.level > 0 and self._may("up", busy=share >= CLEAR):
             self._try(self.level - 1)

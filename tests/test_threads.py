@@ -40,6 +40,14 @@ def test_an_idle_host_keeps_every_thread(governor):
     assert ran == [2] * 200 and governor.changes == []
 
 
+def test_scheduler_blips_on_short_steps_are_not_a_busy_host(governor):
+    # 10% of a 0.6 ms step is 60 us of waiting: not worth a recompile at another thread count
+    ran = feed(governor, [(0.6, 0.06)] * 200)
+    assert ran == [2] * 200 and governor.changes == []
+    # the same share of a 20 ms step (2 ms waited per step) is
+    assert feed(governor, [(20.0, 2.0)] * 5)[-1] == 1
+
+
 def test_waiting_for_a_core_moves_to_fewer_threads_when_they_are_not_slower(governor):
     # the first step at a count compiles (not a sample); three steps that waited half their time
     # -> a try on 1 thread: its first step compiles again, then three samples
