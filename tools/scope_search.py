@@ -338,7 +338,7 @@ def run_candidate(search: Search, cand: dict, rec: dict, position: str) -> None:
         progress(
             f"{position} {name}: {rec['status']}"
             + (f", {rec['summary']['step_ms']:.3f} ms/step" if rec["status"] == "done" else f" ({rec.get('reason')})")
-            + (f"; {n} decode steps on fewer threads (a busy host)" if (n := _fewer(rec)) else "")
+            + (f"; {_busy(n)}" if (n := _fewer(rec)) else "")
         )
 
 
@@ -347,8 +347,12 @@ def _note(row: dict) -> str:
     ran on fewer threads (the host was busy while it was measured: its time is not like for like)."""
     notes = [row["reason"]] if row["reason"] else []
     if row["steps_on_fewer_threads"]:
-        notes.append(f"{row['steps_on_fewer_threads']} decode steps on fewer threads (a busy host)")
+        notes.append(_busy(row["steps_on_fewer_threads"]))
     return "; ".join(notes)
+
+
+def _busy(steps: int) -> str:
+    return f"{steps} decode steps on fewer threads (a busy host)"
 
 
 def _fewer(rec: dict) -> int:

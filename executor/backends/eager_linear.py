@@ -25,7 +25,6 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from executor.backends import packed_linear
-from executor.backends.packed_linear import MIN_WEIGHT_NUMEL
 
 
 def _qualifies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -33,7 +32,7 @@ def _qualifies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
         x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
         and weight.dim() == 2
-        and weight.numel() >= MIN_WEIGHT_NUMEL
+        and weight.numel() >= packed_linear.MIN_WEIGHT_NUMEL
         and x.numel() > 0
         and (bias is None or bias.dtype == torch.float32)
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
@@ -66,9 +65,7 @@ class EagerLinears:
     in fp32 with oneDNN available and at least one weight large enough), else aten as is."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype):
-        large = any(
-            p.dim() == 2 and p.numel() >= MIN_WEIGHT_NUMEL for name, p in model.named_parameters() if "weight" in name
-        )
+        large = any(p.dim() == 2 and p.numel() >= packed_linear.MIN_WEIGHT_NUMEL for p in model.parameters())
         self.kernel = (
             "onednn"
             if device.type == "cpu" and dtype == torch.float32 and large and packed_linear.supported(dtype)

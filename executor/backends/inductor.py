@@ -156,7 +156,8 @@ def _store_shared_opaque_inputs(gm: torch.fx.GraphModule) -> int:
         for user in users:
             user.replace_input_with(node, once)
         stored += 1
-    gm.recompile()
+    if stored:
+        gm.recompile()
     return stored
 
 
