@@ -21,9 +21,12 @@ The counts tried halve from the process's intra-op thread count down to 1. Dynam
 compiled step on the thread count, so the first step at a new count compiles the step again for
 that count (Inductor then emits kernels for it): seconds at small sizes, about as long as the first
 compile at large ones, once per process and count, and kept in the compile cache. That step is
-logged and is not a sample; a try at fewer threads needs at least three recent steps whose
+logged and is not a sample. A try at fewer threads needs at least three recent steps whose
 threads waited 5% of the time or more and 1 ms per step on average, which an idle host does not
-show. Off with several ranks
+show; and a try at a count the step has not been compiled for also waits until the waiting since
+the last change adds up to what the step's first compile took (rent until it would have paid for
+the purchase): 2.5 ms of waiting per 50 ms step is not worth a 56 s recompile (a bf16 batch
+sweep paid exactly that), 3 s per step is, after about 20 steps. Off with several ranks
 (every rank must compute replicated values in the same order) and off the CPU (host threads there
 only launch kernels). Each decode step's thread count is returned with its time, and metrics.json
 says whether the governor was on, why not, and every change it made.
@@ -91,7 +94,10 @@ class ThreadGovernor:
         self.wait_for = dict(FIRST_WAIT)  # steps before the next try, per direction
         self.lost_ms = {"down": 0.0, "up": 0.0}  # what the last lost try cost, per direction
         self.since, self.since_ms = 0, 0.0  # steps and decode time since the last try
+        self.since_wait_ms = 0.0  # and the threads' waiting for a core in that time
         self.compiled: set = set()  # (step key, thread count) pairs that have run once
+        self.compile_ms: dict = {}  # step key -> its first step's time (the compile), the cost of a new count
+        self.held: set = set()  # (step key, thread count) tries held back for that cost, logged once
         self.running = self.full  # the count the governor last set
         self.clock: RunQueueClock | None = None
         self._new_call(key=None)
@@ -162,13 +168,14 @@ class ThreadGovernor:
             # The first step of a compiled step at a thread count compiles it: Dynamo guards on the
             # count, and Inductor emits kernels for it (a one-off, kept in the compile cache). Not a sample.
             self.compiled.add((self.key, self.running))
+            self.compile_ms.setdefault(self.key, ms)
             if step > 0:
                 self.log(
                     f"[run] decode step {step}: first step on {self.running} intra-op thread(s), {ms / 1e3:.1f} s "
                     "(a compiled step is compiled again for each thread count)"
                 )
             return
-        self.since, self.since_ms = self.since + 1, self.since_ms + ms
+        self.since, self.since_ms, self.since_wait_ms = self.since + 1, self.since_ms + ms, self.since_wait_ms + wait_ms
         if self.trying is not None:
             self._judge(ms, step)
             return
@@ -178,7 +185,7 @@ class ThreadGovernor:
         waited = sum(w for _, w in self.window)
         share = waited / max(sum(m for m, _ in self.window), 1e-9)
         contended = share >= CONTENDED and waited >= MIN_WAIT_MS * len(self.window)
-        if contended and self.level + 1 < len(self.levels) and self._may("down"):
+        if contended and self.level + 1 < len(self.levels) and self._may("down") and self._worth_compiling(step):
             self._try(self.level + 1)
         elif self.level > 0 and self._may("up", busy=share >= CLEAR):
             self._try(self.level - 1)
@@ -186,6 +193,21 @@ class ThreadGovernor:
     def _may(self, way: str, busy: bool = False) -> bool:
         steps = self.wait_for[way] * (BUSY_UP if busy else 1)
         return self.since >= steps and self.since_ms >= BUDGET * self.lost_ms[way]
+
+    def _worth_compiling(self, step: int) -> bool:
+        """Whether the next lower count is compiled already, or the waiting since the last change
+        has added up to what compiling the step for it would cost (the first compile's time)."""
+        count = self.levels[self.level + 1]
+        cost = self.compile_ms.get(self.key, 0.0)
+        if (self.key, count) in self.compiled or self.since_wait_ms >= cost:
+            return True
+        if (self.key, count) not in self.held:
+            self.held.add((self.key, count))
+            self.log(
+                f"[run] decode step {step}: threads wait for a core; a try at {count} thread(s) would compile the "
+                f"step again (~{cost / 1e3:.1f} s): held until the waiting adds up to that"
+            )
+        return False
 
     def _try(self, level: int) -> None:
         self.trying, self.tried_ms = level, []
@@ -209,7 +231,7 @@ class ThreadGovernor:
             self.wait_for[way] = min(self.wait_for[way] * 2, LAST_WAIT)
             self.lost_ms[way] = max(0.0, sum(self.tried_ms) - base * len(self.tried_ms))
         self._set(self.level)
-        self.trying, self.window, self.since, self.since_ms = None, [], 0, 0.0
+        self.trying, self.window, self.since, self.since_ms, self.since_wait_ms = None, [], 0, 0.0, 0.0
 
     def to_metrics(self, step_threads: list[int]) -> dict:
         """For metrics.json: on/off and why, the steps run at each count, every change so far."""

@@ -51,8 +51,9 @@ def test_scheduler_blips_on_short_steps_are_not_a_busy_host(governor):
 def test_waiting_for_a_core_moves_to_fewer_threads_when_they_are_not_slower(governor):
     # the first step at a count compiles (not a sample); three steps that waited half their time
     # -> a try on 1 thread: its first step compiles again, then three samples
+    # (a first step of 6 ms: a compile that cheap is paid for by the 7.5 ms those three steps waited)
     contended, alone = [(5.0, 2.5)] * 3, [(1.2, 0.3), (1.1, 0.3), (1.3, 0.3)]
-    ran = feed(governor, [(900.0, 0.0), *contended, (900.0, 0.0), *alone, (1.2, 0.3)])
+    ran = feed(governor, [(6.0, 0.0), *contended, (900.0, 0.0), *alone, (1.2, 0.3)])
     assert ran == [2] * 4 + [1] * 5
     assert [(c.step, c.was, c.threads) for c in governor.changes] == [(8, 2, 1)]
     assert "1 thread(s) ran 1.200 ms/step against 5.000 at 2" in governor.changes[0].why
@@ -63,9 +64,22 @@ def test_waiting_for_a_core_moves_to_fewer_threads_when_they_are_not_slower(gove
     assert feed(governor, [(1.2, 0.3)] * 3) == [1, 1, 1]
 
 
+def test_a_new_count_is_tried_only_once_the_waiting_would_have_paid_for_its_compile(governor):
+    # a 56 s first compile; 2.5 ms of waiting per 50 ms step: 200 steps wait 0.5 s, far from 56 s
+    ran = feed(governor, [(56_000.0, 0.0), *[(50.0, 2.5)] * 200])
+    assert ran == [2] * 201 and governor.changes == []
+    assert len(governor.lines) == 1 and "would compile the step again (~56.0 s)" in governor.lines[0]
+    # 3 s of waiting per step: the 0.5 s so far plus 19 such steps pass 56 s; the try's first step
+    # compiles, three 1-thread steps as fast as the loaded ones keep it
+    loaded = [(3_100.0, 3_000.0)] * 18
+    ran = feed(governor, [*loaded, (3_100.0, 3_000.0), (56_000.0, 0.0), *[(90.0, 1.0)] * 3])
+    assert ran == [2] * 19 + [1] * 4
+    assert [(c.was, c.threads) for c in governor.changes] == [(2, 1)]
+
+
 def test_a_lost_try_goes_back_and_waits_longer_before_the_next(governor):
     slow_alone = [(8.0, 0.5)] * 3  # one thread is slower: keep two
-    ran = feed(governor, [(900.0, 0.0), *[(5.0, 2.5)] * 3, (900.0, 0.0), *slow_alone])
+    ran = feed(governor, [(6.0, 0.0), *[(5.0, 2.5)] * 3, (900.0, 0.0), *slow_alone])
     assert ran == [2] * 4 + [1] * 4 and governor.changes == []
     assert governor.wait_for["down"] == 6 and governor.lost_ms["down"] == pytest.approx(3 * 8.0 - 3 * 5.0)
     # the next try waits for 6 steps and for 20x the 9 ms lost: 36 steps of 5 ms; as fast, so kept
