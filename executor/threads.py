@@ -23,10 +23,12 @@ that count (Inductor then emits kernels for it): seconds at small sizes, about a
 compile at large ones, once per process and count, and kept in the compile cache. That step is
 logged and is not a sample. A try at fewer threads needs at least three recent steps whose
 threads waited 5% of the time or more and 1 ms per step on average, which an idle host does not
-show; and a try at a count the step has not been compiled for also waits until the waiting since
-the last change adds up to what the step's first compile took (rent until it would have paid for
-the purchase): 2.5 ms of waiting per 50 ms step is not worth a 56 s recompile (a bf16 batch
-sweep paid exactly that), 3 s per step is, after about 20 steps. Off with several ranks
+show. A try at a count the step has not been compiled for also waits, unless the waiting is
+heavy (a quarter of the time over a full window of steps: a neighbour holding a core, which made
+0.6B steps 3-5x slower), until the waiting since the last change adds up to what the step's first
+compile took (rent until the rent would have paid for the purchase): 2.5 ms of waiting per 50 ms
+step (a bf16 batch sweep on a VM with short bursts of kernel work) is not worth a 56 s recompile,
+which that sweep paid three times before this rule. Off with several ranks
 (every rank must compute replicated values in the same order) and off the CPU (host threads there
 only launch kernels). Each decode step's thread count is returned with its time, and metrics.json
 says whether the governor was on, why not, and every change it made.
@@ -53,6 +55,9 @@ CONTENDED = 0.05  # waiting share that starts a try at fewer threads; an idle ho
 # 5% (`bash infer.sh`, 0.6 ms steps right after a test suite exited: 4 steps moved to one thread
 # for a 14 s recompile). A neighbour that matters costs ms per step (fifth pass: up to 3 s).
 MIN_WAIT_MS = 1.0
+# ... at this share over a full WINDOW a try at a count not compiled yet does not wait for the
+# waiting to pay for the compile: the late neighbour of load_bench made the 0.6B steps wait 60-80%.
+HEAVY = 0.25
 CLEAR = 0.01  # waiting share under which the host counts as free again
 KEEP_FEWER = 1.05  # fewer threads are kept unless more than 5% slower: they leave cores to the neighbour
 KEEP_MORE = 0.9  # more threads are kept only if at least 10% faster
@@ -185,7 +190,8 @@ class ThreadGovernor:
         waited = sum(w for _, w in self.window)
         share = waited / max(sum(m for m, _ in self.window), 1e-9)
         contended = share >= CONTENDED and waited >= MIN_WAIT_MS * len(self.window)
-        if contended and self.level + 1 < len(self.levels) and self._may("down") and self._worth_compiling(step):
+        heavy = share >= HEAVY and len(self.window) >= WINDOW
+        if contended and self.level + 1 < len(self.levels) and self._may("down") and self._worth(step, heavy):
             self._try(self.level + 1)
         elif self.level > 0 and self._may("up", busy=share >= CLEAR):
             self._try(self.level - 1)
@@ -194,18 +200,19 @@ class ThreadGovernor:
         steps = self.wait_for[way] * (BUSY_UP if busy else 1)
         return self.since >= steps and self.since_ms >= BUDGET * self.lost_ms[way]
 
-    def _worth_compiling(self, step: int) -> bool:
-        """Whether the next lower count is compiled already, or the waiting since the last change
-        has added up to what compiling the step for it would cost (the first compile's time)."""
+    def _worth(self, step: int, heavy: bool) -> bool:
+        """Whether a try at the next lower count is worth what it costs: nothing when the step is
+        compiled for it already; otherwise a compile, worth it under heavy waiting or once the waiting
+        since the last change has added up to the step's first compile time."""
         count = self.levels[self.level + 1]
         cost = self.compile_ms.get(self.key, 0.0)
-        if (self.key, count) in self.compiled or self.since_wait_ms >= cost:
+        if (self.key, count) in self.compiled or heavy or self.since_wait_ms >= cost:
             return True
         if (self.key, count) not in self.held:
             self.held.add((self.key, count))
             self.log(
                 f"[run] decode step {step}: threads wait for a core; a try at {count} thread(s) would compile the "
-                f"step again (~{cost / 1e3:.1f} s): held until the waiting adds up to that"
+                f"step again (~{cost / 1e3:.1f} s): held until the waiting adds up to that or reaches {HEAVY:.0%}"
             )
         return False
 

@@ -64,16 +64,26 @@ def test_waiting_for_a_core_moves_to_fewer_threads_when_they_are_not_slower(gove
     assert feed(governor, [(1.2, 0.3)] * 3) == [1, 1, 1]
 
 
-def test_a_new_count_is_tried_only_once_the_waiting_would_have_paid_for_its_compile(governor):
+def test_a_new_count_is_not_compiled_for_a_little_waiting_on_long_steps(governor):
     # a 56 s first compile; 2.5 ms of waiting per 50 ms step: 200 steps wait 0.5 s, far from 56 s
     ran = feed(governor, [(56_000.0, 0.0), *[(50.0, 2.5)] * 200])
     assert ran == [2] * 201 and governor.changes == []
     assert len(governor.lines) == 1 and "would compile the step again (~56.0 s)" in governor.lines[0]
-    # 3 s of waiting per step: the 0.5 s so far plus 19 such steps pass 56 s; the try's first step
-    # compiles, three 1-thread steps as fast as the loaded ones keep it
-    loaded = [(3_100.0, 3_000.0)] * 18
-    ran = feed(governor, [*loaded, (3_100.0, 3_000.0), (56_000.0, 0.0), *[(90.0, 1.0)] * 3])
-    assert ran == [2] * 19 + [1] * 4
+
+
+def test_moderate_waiting_tries_once_it_would_have_paid_for_the_compile(governor):
+    # 20% waiting (under HEAVY): the 50th such step brings the waiting to the 1 s first compile;
+    # the try's first step compiles, three 1-thread steps as fast keep it
+    ran = feed(governor, [(1_000.0, 0.0), *[(100.0, 20.0)] * 50, (1_000.0, 0.0), *[(80.0, 5.0)] * 3])
+    assert ran == [2] * 51 + [1] * 4
+    assert [(c.was, c.threads) for c in governor.changes] == [(2, 1)]
+
+
+def test_heavy_waiting_tries_after_a_full_window_whatever_the_compile_costs(governor):
+    # a neighbour holding a core: two thirds of each step waited; tried once WINDOW steps show it
+    heavy = [(300.0, 200.0)] * th.WINDOW
+    ran = feed(governor, [(56_000.0, 0.0), *heavy, (56_000.0, 0.0), *[(150.0, 10.0)] * 3])
+    assert ran == [2] * (1 + th.WINDOW) + [1] * 4
     assert [(c.was, c.threads) for c in governor.changes] == [(2, 1)]
 
 
