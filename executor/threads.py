@@ -25,7 +25,7 @@ logged and is not a sample. A try at fewer threads needs at least three recent s
 threads waited 5% of the time or more and 1 ms per step on average, which an idle host does not
 show. A try at a count the step has not been compiled for also waits, unless the waiting is
 heavy (a quarter of the time over a full window of steps: a neighbour holding a core, which made
-0.6B steps 3-5x slower), until the waiting since the last change adds up to what the step's first
+0.6B steps 2.8-4.8x slower), until the waiting since the last change adds up to what the step's first
 compile took (rent until the rent would have paid for the purchase): 2.5 ms of waiting per 50 ms
 step (a bf16 batch sweep on a VM with short bursts of kernel work) is not worth a 56 s recompile,
 which that sweep paid three times before this rule. Off with several ranks
@@ -56,7 +56,7 @@ CONTENDED = 0.05  # waiting share that starts a try at fewer threads; an idle ho
 # for a 14 s recompile). A neighbour that matters costs ms per step (fifth pass: up to 3 s).
 MIN_WAIT_MS = 1.0
 # ... at this share over a full WINDOW a try at a count not compiled yet does not wait for the
-# waiting to pay for the compile: the late neighbour of load_bench made the 0.6B steps wait 60-80%.
+# waiting to pay for the compile: load_bench's late neighbour made the 0.6B steps 2.8-4.8x slower.
 HEAVY = 0.25
 CLEAR = 0.01  # waiting share under which the host counts as free again
 KEEP_FEWER = 1.05  # fewer threads are kept unless more than 5% slower: they leave cores to the neighbour
