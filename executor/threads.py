@@ -25,10 +25,11 @@ logged and is not a sample. A try at fewer threads needs at least three recent s
 threads waited 5% of the time or more and 1 ms per step on average, which an idle host does not
 show. A try at a count the step has not been compiled for also waits, unless the waiting is
 heavy (a quarter of the time over a full window of steps: a neighbour holding a core, which made
-0.6B steps 2.8-4.8x slower), until the waiting since the last change adds up to what the step's first
-compile took (rent until the rent would have paid for the purchase): 2.5 ms of waiting per 50 ms
-step (a bf16 batch sweep on a VM with short bursts of kernel work) is not worth a 56 s recompile,
-which that sweep paid three times before this rule. Off with several ranks
+0.6B steps 2.8-4.8x slower), until the waiting since the last change adds up to what the step's
+first compile took (rent until the rent would have paid for the purchase): 2.5 ms of waiting per
+50 ms step (a bf16 batch sweep on a VM with short bursts of kernel work) is not worth a 56 s
+recompile, which that sweep paid three times before this rule. The window starts empty in each
+generate call, so calls shorter than it only ever try once the waiting has paid. Off with several ranks
 (every rank must compute replicated values in the same order) and off the CPU (host threads there
 only launch kernels). Each decode step's thread count is returned with its time, and metrics.json
 says whether the governor was on, why not, and every change it made.
