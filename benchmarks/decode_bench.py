@@ -10,6 +10,12 @@ our eager run) and the roofline terms it used:
 
   roofline = max(bytes read per step / measured read bandwidth, FLOPs per step / measured matmul rate)
 
+The read bandwidth is measured again right before and right after each mode's timed steps, and
+that mode's roofline uses the mean of the two (column "read GB/s"): the reference VM's bandwidth
+moved by 1.5x within minutes, so one reading at the start made later modes look better or worse
+than they were. A mode whose two readings differ by more than 15% is flagged: the machine changed
+speed while it ran, so its ratio is no verdict.
+
 bytes = weights (MoE: the router and the experts a batch is expected to touch) + the KV cache
 that is valid at the timed positions; FLOPs = 2 x parameters used per token x batch + attention.
 Both rates are measured by this script on this machine, in --dtype.
@@ -36,7 +42,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -63,6 +71,16 @@ class Row:
     compile_s: float | None
     tokens: list[list[int]]  # greedy tokens per row
     calls: list = field(default_factory=list)  # with several ranks: the collectives of one decode step
+    read_gbs: tuple[float, ...] = ()  # read bandwidth right before and right after the timed steps
+    roof_ms: float = 0.0  # this mode's roofline (set when its batch's table is made)
+
+    def bandwidth(self, default: float) -> float:
+        """The read bandwidth this mode's roofline uses: the mean of its own readings, else `default`."""
+        return statistics.fmean(self.read_gbs) if self.read_gbs else default
+
+    def unsteady(self) -> bool:
+        """The machine's read bandwidth moved by more than 15% while this mode's steps were timed."""
+        return len(self.read_gbs) == 2 and max(self.read_gbs) > 1.15 * min(self.read_gbs)
 
 
 def make_checkpoint(cfg: dict, path: Path, seed: int) -> None:
@@ -78,6 +96,13 @@ def make_checkpoint(cfg: dict, path: Path, seed: int) -> None:
     model.save_pretrained(path)
 
 
+def read_bandwidth_gbs(platform: Platform, nbytes: int = 1 << 29) -> float:
+    """Read bandwidth in GB/s, best of 7 full reductions over a tensor far larger than the caches
+    (~0.3 s for the default 512 MiB at ~30 GB/s): cheap enough to take next to every mode."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=platform.kind).uniform_()
+    return nbytes / _best(platform, src.sum, 7) / 1e9
+
+
 def memory_bandwidth_gbs(platform: Platform, nbytes: int = 1 << 29) -> tuple[float, float]:
     """(read, copy) bandwidth in GB/s, best of 7, on a tensor far larger than the caches.
 
@@ -88,7 +113,7 @@ def memory_bandwidth_gbs(platform: Platform, nbytes: int = 1 << 29) -> tuple[flo
     """
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=platform.kind).uniform_()
     dst = torch.empty_like(src)
-    return nbytes / _best(platform, src.sum, 7) / 1e9, nbytes / _best(platform, lambda: dst.copy_(src), 7) / 1e9
+    return read_bandwidth_gbs(platform, nbytes), nbytes / _best(platform, lambda: dst.copy_(src), 7) / 1e9
 
 
 def _best(platform: Platform, fn, runs: int) -> float:
@@ -152,8 +177,9 @@ def _stamps(platform: Platform):
 
 
 def hf_decode(
-    path: Path, prompts: list[list[int]], steps: int, dtype: torch.dtype, compiled: bool, device: str = "cpu"
-) -> Row:
+    path: Path, prompts: list[list[int]], steps: int, dtype: torch.dtype, compiled: bool, device: str = "cpu",
+    probe: Callable[[], float] | None = None,
+) -> Row:  # fmt: skip
     """transformers' own generate: eager with its default (dynamic) cache, or what a user tries
     first for graph-mode decode: the static cache with the forward under torch.compile. Median
     per-token time from the stopping criterion's timestamps."""
@@ -173,13 +199,15 @@ def hf_decode(
         if compiled:
             model.generate(ids, **kwargs)  # a second call: any recompile for the new cache happens here
         stamp = _stamps(detect(device))
+        before = probe() if probe else None
         out = model.generate(ids, stopping_criteria=transformers.StoppingCriteriaList([stamp]), **kwargs)
+        read_gbs = (before, probe()) if probe else ()
     deltas = [(b - a) * 1e3 for a, b in itertools.pairwise(stamp.times)]
     tokens = out[:, ids.shape[1] :].tolist()
     del model
     torch._dynamo.reset()
     name = "transformers static cache + torch.compile" if compiled else "transformers eager generate"
-    return Row(name, statistics.median(deltas), compile_s, tokens)
+    return Row(name, statistics.median(deltas), compile_s, tokens, read_gbs=read_gbs)
 
 
 LAYOUTS = {  # --layout -> parallel_config for N ranks
@@ -190,7 +218,7 @@ LAYOUTS = {  # --layout -> parallel_config for N ranks
 
 def our_decode(
     recipe: str, path: Path, exe_mode: str, plan: str | None, prompts: list[list[int]], steps: int, dtype: str,
-    max_len: int, parallel: list[str] = (), platform: Platform | None = None,
+    max_len: int, parallel: list[str] = (), platform: Platform | None = None, probe: Callable[[], float] | None = None,
 ) -> Row:  # fmt: skip
     overrides = [
         f"model_config.model_path={path}",
@@ -214,14 +242,17 @@ def our_decode(
     runner.generate(prompts, 2)  # warm-up + compile
     compile_s = time.perf_counter() - t0
     runner.generate(prompts, steps + 1)  # warm caches
+    before = probe() if probe else None
     gen = runner.generate(prompts, steps + 1)
+    read_gbs = (before, probe()) if probe else ()
     calls = list(runner.parallel.log.calls)  # the collectives of one decode step
     name = f"ours {exe_mode}" + (f" + SK {plan}" if plan else "")
     if fewer := sum(n < runner.threads.full for n in gen.decode_threads):  # the host was busy: say so
         print(f"  note: {name}: {fewer} of {steps} timed steps ran on fewer intra-op threads (executor/threads.py)")
     del runner
     torch._dynamo.reset()
-    return Row(name, statistics.median(gen.decode_ms), None if exe_mode == "eager" else compile_s, gen.token_ids, calls)
+    compile_s = None if exe_mode == "eager" else compile_s
+    return Row(name, statistics.median(gen.decode_ms), compile_s, gen.token_ids, calls, read_gbs)
 
 
 def collective_ms(calls: list[tuple[str, str, int]], iters: int = 200) -> float:
@@ -312,6 +343,8 @@ def main(argv=None) -> int:
         flush=True,
     )
     plans = _plans(args, arch)
+    probe = partial(read_bandwidth_gbs, platform)
+    ours = partial(our_decode, platform=platform, probe=probe)
     summary: dict[int, tuple[list[Row], float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "ckpt"
@@ -320,27 +353,25 @@ def main(argv=None) -> int:
             prompts = [[(7 * i + 3 + 11 * r) % arch.vocab_size for i in range(args.prompt_len)] for r in range(batch)]
             rows = []
             for exe_mode, plan in [("eager", None), ("ge_graph", None)] + [("ge_graph", pl) for pl in plans]:
-                rows.append(
-                    our_decode(
-                        args.model, path, exe_mode, plan, prompts, args.steps, args.dtype, max_len, platform=platform
-                    )
-                )
+                rows.append(ours(args.model, path, exe_mode, plan, prompts, args.steps, args.dtype, max_len))
                 print(f"  batch {batch}: measured {rows[-1].name}", flush=True)
             if not args.no_hf:
                 for compiled in (False,) if args.no_compiled_peer else (False, True):
-                    rows.append(hf_decode(path, prompts, args.steps, dtype, compiled, args.device))
+                    rows.append(hf_decode(path, prompts, args.steps, dtype, compiled, args.device, probe))
                     print(f"  batch {batch}: measured {rows[-1].name}", flush=True)
             # the timed steps see prompt_len + 1 ... prompt_len + steps valid cached tokens
             nbytes, flops = step_cost(arch, dtype_bytes, batch, args.prompt_len + args.steps // 2)
             bw_ms, compute_ms = nbytes / (read_bw * 1e9) * 1e3, flops / (tflops * 1e12) * 1e3
             roof_ms = max(bw_ms, compute_ms)
+            for r in rows:  # each mode against the bandwidth read next to its own steps
+                r.roof_ms = max(nbytes / (r.bandwidth(read_bw) * 1e9) * 1e3, compute_ms)
             summary[batch] = (rows, roof_ms)
-            print_table(rows, batch, roof_ms)
+            print_table(rows, batch)
             print(
                 f"\nroofline, batch {batch}: {nbytes / 1e6:.1f} MB read per step ({args.dtype} weights + valid KV) / "
-                f"{read_bw:.1f} GB/s = {bw_ms:.3f} ms; {flops / 1e9:.2f} GFLOP / {tflops:.2f} TFLOP/s = "
-                f"{compute_ms:.3f} ms -> {roof_ms:.3f} ms/step ({'bandwidth' if bw_ms >= compute_ms else 'compute'}-"
-                "bound)\n",
+                f"{read_bw:.1f} GB/s (the start's reading; each mode's own in its row) = {bw_ms:.3f} ms; "
+                f"{flops / 1e9:.2f} GFLOP / {tflops:.2f} TFLOP/s = {compute_ms:.3f} ms -> {roof_ms:.3f} ms/step "
+                f"({'bandwidth' if bw_ms >= compute_ms else 'compute'}-bound)\n",
                 flush=True,
             )
     if len(batches) > 1:
@@ -408,15 +439,17 @@ def bench_ranks(args, argv: list[str], cfg: dict, arch, platform, max_len: int) 
     return 0
 
 
-def print_table(rows: list[Row], batch: int, roof_ms: float) -> None:
+def print_table(rows: list[Row], batch: int) -> None:
     graph_ms = next(r.ms for r in rows if r.name == "ours ge_graph")
     peers = {r.name: r.ms for r in rows if r.name.startswith("transformers")}
     ref = rows[0].tokens  # ours eager
-    head = ["mode", "decode ms/step (median)", "tokens/s", "vs ge_graph", "x roofline"]
+    head = ["mode", "decode ms/step (median)", "tokens/s", "vs ge_graph", "x roofline", "read GB/s (before/after)"]
     head += [f"vs {n}" for n in peers] + ["compile s", "greedy tokens vs ours eager"]
     print(f"\n### batch {batch}\n\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
-        cells = [r.name, f"{r.ms:.3f}", f"{batch * 1e3 / r.ms:.1f}", f"{graph_ms / r.ms:.2f}x", f"{r.ms / roof_ms:.2f}"]
+        bw = "/".join(f"{b:.1f}" for b in r.read_gbs) + (" UNSTEADY" if r.unsteady() else "")
+        ratio = f"{r.ms / r.roof_ms:.2f}"
+        cells = [r.name, f"{r.ms:.3f}", f"{batch * 1e3 / r.ms:.1f}", f"{graph_ms / r.ms:.2f}x", ratio, bw]
         cells += [f"{ms / r.ms:.2f}x" for ms in peers.values()]
         cells += ["" if r.compile_s is None else f"{r.compile_s:.1f}", token_check(r.tokens, ref)]
         print("| " + " | ".join(cells) + " |")
@@ -428,11 +461,16 @@ def print_batch_summary(summary: dict[int, tuple[list[Row], float]]) -> None:
     print("| mode | " + " | ".join(f"batch {b}" for b in summary) + " |\n|---|" + "---|" * len(summary))
     for n in names:
         cells = []
-        for b, (rows, roof) in summary.items():
+        for b, (rows, _) in summary.items():
             r = next(r for r in rows if r.name == n)
-            cells.append(f"{b * 1e3 / r.ms:.1f} ({r.ms / roof:.2f})")
+            cells.append(f"{b * 1e3 / r.ms:.1f} ({r.ms / r.roof_ms:.2f}{'?' if r.unsteady() else ''})")
         print(f"| {n} | " + " | ".join(cells) + " |")
-    print("| roofline | " + " | ".join(f"{b * 1e3 / roof:.1f}" for b, (_, roof) in summary.items()) + " |")
+    print(
+        "| roofline (the start's readings) | "
+        + " | ".join(f"{b * 1e3 / roof:.1f}" for b, (_, roof) in summary.items())
+        + " |"
+    )
+    print("\nx roofline: against the read bandwidth measured next to that mode's steps; ? = it moved by > 15% there")
 
 
 def plot(path: Path, summary: dict[int, tuple[list[Row], float]], title: str) -> None:
