@@ -1,4 +1,4 @@
-"""Decode GEMMs with a few rows (batch > 1) on CPU: oneDNN with each weight packed once.
+"""Decode GEMMs with a few rows (batch > 1) on CPU: each weight packed once, for oneDNN or a bf16 kernel.
 
 Why: a batched decode step multiplies a handful of rows (M = batch, 2-64) by every weight
 matrix, so it is still a stream over the weights. aten's linear re-lays the weight out on every
@@ -8,6 +8,13 @@ against ~30 GB/s of read bandwidth. With the weight reordered once into oneDNN's
 (`mkldnn._reorder_linear_weight`, the packing Inductor's freezing does), the same call ran at
 27-29 GB/s for M = 4 in both dtypes, and at 140 (fp32) / 290 (bf16) GFLOP/s for M = 16
 (BENCHMARKS.md, "fourth pass").
+
+In bf16, on a CPU with AVX512-BF16, up to 16 rows, the call is this project's own kernel instead
+(`cann_cpu::bf16_rows_linear`, csrc/bf16_rows_linear.cpp) on the weight packed for vdpbf16ps: on
+the 0.6B shape's projections it read the weights at 0.97-1.0x of a sum's rate at M = 4 where
+oneDNN read 0.73-0.78x, and ran 1.1x oneDNN's GFLOP/s at M = 16 (BENCHMARKS.md, "eighth pass").
+It is compiled on first use like a custom op's kernel; where it cannot be built (no compiler) one
+line says so and oneDNN runs the call.
 
 The packed copy is made on the first decode call from the live weight and kept next to it
 (executor.memo: dropped with the weight, remade if the weight is changed in place), so the compiled
@@ -21,8 +28,12 @@ opaque extern call, so it also sits inside a SuperKernel scope's launch unit.
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import torch
 
+from executor.custom_ops._build import KernelBuildError, load_kernel
 from executor.memo import TensorMemo
 
 # Weights smaller than this (elements) stay with aten: they sit in cache, and a call of this op
@@ -31,7 +42,16 @@ from executor.memo import TensorMemo
 # projection is above.
 MIN_WEIGHT_NUMEL = 1 << 20
 
-_packed: TensorMemo[torch.Tensor] = TensorMemo()  # weight -> its packed copy, per rows hint
+# The bf16 kernel's limits: whole 64-column blocks, whole k pairs, at most MAX_KERNEL_ROWS rows.
+# In the 0.6B-shape decode step (ge_graph, one process, kernel and oneDNN alternating, 5 rounds)
+# the kernel took the step to 0.75x at batch 4 and 0.86x at batch 16, but to 1.09x at batch 64,
+# although alone it out-ran oneDNN there too; 17-63 rows are not measured. A single row stays with
+# the GEMV lowering: the kernel there made the batch-1 step 1.10x slower (its per-call dispatch).
+KERNEL_COLS = 64
+MAX_KERNEL_ROWS = 16
+KERNEL_SOURCE = Path(__file__).resolve().parent / "csrc" / "bf16_rows_linear.cpp"
+
+_packed: TensorMemo[torch.Tensor] = TensorMemo()  # weight -> its packed copy, per rows hint (or "bf16_rows")
 
 
 def supported(dtype: torch.dtype) -> bool:
@@ -50,11 +70,46 @@ def supported(dtype: torch.dtype) -> bool:
 # micro-benchmarks; BENCHMARKS.md, "sixth pass"): 3-5 ms of a ~60 ms bf16 batch-4 step.
 _lib = torch.library.Library("cann_cpu", "DEF")
 _lib.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_lib.define("bf16_rows_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")  # kernel: csrc/
+_lib.define("bf16_rows_supported() -> bool")
+
+
+@functools.cache
+def bf16_kernel() -> bool:
+    """The bf16 kernel is built and loaded, and this CPU runs it. Built once per machine, on the
+    first ask (a decode graph's compile); a build that cannot happen is said once, not raised:
+    oneDNN then runs every call, as before the kernel existed."""
+    if not supported(torch.bfloat16):
+        return False
+    try:
+        load_kernel("cann_cpu::bf16_rows_linear", "cann_cpu_bf16_rows_linear", [str(KERNEL_SOURCE)], remedy="")
+    except KernelBuildError as exc:
+        print(f"[packed_linear] {exc}; bf16 batched decode GEMMs run on oneDNN instead", flush=True)
+        return False
+    return bool(torch.ops.cann_cpu.bf16_rows_supported())
+
+
+def kernel_fits(weight: torch.Tensor, rows: int) -> bool:
+    """The bf16 kernel runs this product: bf16, whole column blocks and k pairs, few rows, a CPU with it."""
+    n, k = weight.shape
+    return (
+        weight.dtype == torch.bfloat16 and n % KERNEL_COLS == 0 and k % 2 == 0 and rows <= MAX_KERNEL_ROWS
+    ) and bf16_kernel()
+
+
+def pack_bf16_rows(weight: torch.Tensor) -> torch.Tensor:
+    """(N, K) -> (N/64, K/2, 64, 2): per 64-column block, k pairs outermost (vdpbf16ps's operand)."""
+    n, k = weight.shape
+    return weight.detach().contiguous().view(n // KERNEL_COLS, KERNEL_COLS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`linear(x, weight, bias)` through oneDNN with `weight` packed once for x's row count."""
+    """`linear(x, weight, bias)` on `weight` packed once: the bf16 kernel where it fits, else oneDNN
+    (packed for x's row count)."""
     rows = x.numel() // x.shape[-1]
+    if kernel_fits(weight, rows):
+        packed = _packed.get(weight, lambda: pack_bf16_rows(weight), "bf16_rows")
+        return torch.ops.cann_cpu.bf16_rows_linear(x, packed, bias)
     packed = _packed.get(weight, lambda: torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows), rows)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
@@ -65,6 +120,11 @@ _lib.impl("packed_linear", packed_linear, "CPU")
 @torch.library.register_fake("cann_cpu::packed_linear")
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.register_fake("cann_cpu::bf16_rows_linear")
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], packed.shape[0] * packed.shape[2]))
 
 
 def pack_batched_linears(gm: torch.fx.GraphModule) -> int:

@@ -68,19 +68,23 @@ def compiler() -> str:
     return os.environ.get("CXX") or "c++"
 
 
-def _check_toolchain(op: str) -> None:
-    """Fail before cpp_extension does, with one line naming the op and what is missing."""
+CUSTOM_OPS_REMEDY = ", or remove it from model_config.custom_ops"
+
+
+def _check_toolchain(op: str, remedy: str = CUSTOM_OPS_REMEDY) -> None:
+    """Fail before cpp_extension does, with one line naming the op and what is missing (and
+    `remedy`, the user's other way out, appended)."""
     cxx = compiler()
     if shutil.which(cxx) is None:
         where = "$CXX" if os.environ.get("CXX") else "the default compiler c++"
         raise KernelBuildError(
             f"custom op {op}: its CPU kernel is compiled on first use, but {where} ({cxx}) is not an executable "
-            "compiler here; install g++ (or set CXX to one), or remove it from model_config.custom_ops"
+            f"compiler here; install g++ (or set CXX to one){remedy}"
         )
     if shutil.which("ninja") is None:
         raise KernelBuildError(
             f"custom op {op}: torch.utils.cpp_extension needs ninja to build its CPU kernel and none is on PATH; "
-            "`pip install ninja`, or remove it from model_config.custom_ops"
+            f"`pip install ninja`{remedy}"
         )
 
 
@@ -106,18 +110,19 @@ def check_buildable(op: str, library: str, sources: list[str]) -> None:
         _check_toolchain(op)
 
 
-def load_kernel(op: str, library: str, sources: list[str]) -> Path:
+def load_kernel(op: str, library: str, sources: list[str], remedy: str = CUSTOM_OPS_REMEDY) -> Path:
     """Build (once per machine) and load (once per process) the CPU kernel library of `op`.
 
     `sources`: file names under executor/custom_ops/csrc/ (or absolute paths). Returns the
-    library's path. A cached build is loaded without looking for a compiler."""
+    library's path. A cached build is loaded without looking for a compiler. `remedy` ends the
+    message of a missing toolchain (a kernel that is not a listed custom op has another one)."""
     if library in _loaded:
         return _loaded[library]
     paths = _sources(op, sources)
     built = _built(library, paths)
     build_dir = built.parent
     if not built.is_file():
-        _check_toolchain(op)
+        _check_toolchain(op, remedy)
         build_dir.mkdir(parents=True, exist_ok=True)
         print(f"[custom_ops] building the CPU kernel of {op} into {build_dir} (once per machine)", flush=True)
         from torch.utils import cpp_extension
