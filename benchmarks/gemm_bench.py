@@ -1,0 +1,108 @@
+"""Decode GEMMs alone: the bf16 kernel (`cann_cpu::bf16_rows_linear`) vs oneDNN on packed weights.
+
+Why: a batched decode step is one pass over every projection with M = batch rows. This times that
+pass outside the model, on the projections of a named size as the loader merges them (qkv_proj,
+o_proj, gate_up_proj, down_proj per layer, and the lm_head), with random bf16 weights, so the
+GEMM's own streaming rate is seen without the rest of the step.
+
+Each round times one full pass per method and, right before it, one fp32 sum over 512 MiB; the
+ratio pass rate / sum rate is taken per round and the median printed: on the reference VM the
+sum rate itself moved between 33 and 64 GB/s from run to run, so the ratio is what compares.
+GFLOP/s = 2 x M x parameters / pass time.
+
+  python benchmarks/gemm_bench.py
+  python benchmarks/gemm_bench.py --size qwen3-0.6b --rows 1,4,16,64 --rounds 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from executor.backends import packed_linear  # noqa: E402
+
+
+def projections(size: str) -> list[tuple[int, int]]:
+    """(N, K) of every decode GEMM of one step of `size` (configs/model_sizes.yaml), merged as loaded."""
+    cfg = yaml.safe_load((ROOT / "configs" / "model_sizes.yaml").read_text())[size]
+    h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim", h // heads)
+    layer = [
+        ((heads + 2 * kv) * d, h),
+        (h, heads * d),
+        (2 * cfg["intermediate_size"], h),
+        (h, cfg["intermediate_size"]),
+    ]
+    return layer * cfg["num_hidden_layers"] + [(cfg["vocab_size"], h)]
+
+
+def kernel_pass(xs: dict, weights: list[torch.Tensor], packed: list[torch.Tensor]) -> None:
+    for w, p in zip(weights, packed):
+        torch.ops.cann_cpu.bf16_rows_linear(xs[w.shape[1]], p, None)
+
+
+def onednn_pass(xs: dict, weights: list[torch.Tensor], packed: list[torch.Tensor]) -> None:
+    for w, p in zip(weights, packed):
+        torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="qwen3-0.6b", help="named size in configs/model_sizes.yaml (a dense one)")
+    ap.add_argument("--rows", default="1,4,16,64", help="comma list of row counts M (the decode batch)")
+    ap.add_argument("--rounds", type=int, default=7, help="timed rounds per row count (after one warm-up)")
+    args = ap.parse_args(argv)
+    if not packed_linear.bf16_kernel():
+        print("error: the bf16 kernel does not run here (no AVX512-BF16, or it could not be built)", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    shapes = projections(args.size)
+    weights = [(torch.randn(n, k) * 0.02).to(torch.bfloat16) for n, k in shapes]
+    nbytes = sum(w.numel() * 2 for w in weights)
+    threads = torch.get_num_threads()
+    print(f"# gemm_bench: {args.size}, {len(shapes)} projections, {nbytes / 1e6:.0f} MB bf16, {threads} threads")
+    total = torch.empty(1 << 27).uniform_()  # 512 MiB fp32: the sum rate next to every pass
+
+    def sum_rate() -> float:
+        t0 = time.perf_counter()
+        total.sum()
+        return total.numel() * 4 / (time.perf_counter() - t0) / 1e9
+
+    print("| M | method | GB/s (median) | x fp32 sum rate | GFLOP/s |")
+    print("|---|---|---|---|---|")
+    for rows in [int(r) for r in args.rows.split(",")]:
+        xs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {k for _, k in shapes}}
+        methods = {
+            "kernel": (kernel_pass, [packed_linear.pack_bf16_rows(w) for w in weights]),
+            "oneDNN packed": (onednn_pass, [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]),
+        }
+        rates: dict[str, list[float]] = {m: [] for m in methods}
+        ratios: dict[str, list[float]] = {m: [] for m in methods}
+        for round_ in range(args.rounds + 1):
+            for name, (run, packed) in methods.items():
+                reference = sum_rate()
+                t0 = time.perf_counter()
+                run(xs, weights, packed)
+                rate = nbytes / (time.perf_counter() - t0) / 1e9
+                if round_:  # round 0 warms up (oneDNN creates its primitives)
+                    rates[name].append(rate)
+                    ratios[name].append(rate / reference)
+        for name in methods:
+            rate = statistics.median(rates[name])
+            gflops = rows * rate  # 2 FLOPs per parameter and row, 2 bytes per parameter
+            print(f"| {rows} | {name} | {rate:.1f} | {statistics.median(ratios[name]):.2f} | {gflops:.0f} |")
+        del methods  # one packed copy of the weights per method: free them before the next M
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
