@@ -45,8 +45,10 @@ MIN_WEIGHT_NUMEL = 1 << 20
 # The bf16 kernel's limits: whole 64-column blocks, whole k pairs, at most MAX_KERNEL_ROWS rows.
 # In the 0.6B-shape decode step (ge_graph, one process, kernel and oneDNN alternating, 5 rounds)
 # the kernel took the step to 0.75x at batch 4 and 0.86x at batch 16, but to 1.09x at batch 64,
-# although alone it out-ran oneDNN there too; 17-63 rows are not measured. A single row stays with
-# the GEMV lowering: the kernel there made the batch-1 step 1.10x slower (its per-call dispatch).
+# although alone it out-ran oneDNN there too; 32 rows gave 0.96x, inside its rounds' spread
+# (0.88-1.09), so the cap stays where the gain is clear. A single row stays with the GEMV lowering:
+# the kernel there made the batch-1 step 1.10x slower (likely the Python dispatch of 113 calls per
+# step; not measured apart).
 KERNEL_COLS = 64
 MAX_KERNEL_ROWS = 16
 KERNEL_SOURCE = Path(__file__).resolve().parent / "csrc" / "bf16_rows_linear.cpp"
