@@ -23,26 +23,20 @@ import time
 from pathlib import Path
 
 import torch
-import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from executor.arch import ModelArch, load_arch  # noqa: E402
 from executor.backends import packed_linear  # noqa: E402
+from executor.errors import RecipeError  # noqa: E402
 
 
-def projections(size: str) -> list[tuple[int, int]]:
-    """(N, K) of every decode GEMM of one step of `size` (configs/model_sizes.yaml), merged as loaded."""
-    cfg = yaml.safe_load((ROOT / "configs" / "model_sizes.yaml").read_text())[size]
-    h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = cfg.get("head_dim", h // heads)
-    layer = [
-        ((heads + 2 * kv) * d, h),
-        (h, heads * d),
-        (2 * cfg["intermediate_size"], h),
-        (h, cfg["intermediate_size"]),
-    ]
-    return layer * cfg["num_hidden_layers"] + [(cfg["vocab_size"], h)]
+def projections(arch: ModelArch) -> list[tuple[int, int]]:
+    """(N, K) of every decode GEMM of one step of a dense `arch`, merged as the loader merges them."""
+    h, d, inter = arch.hidden_size, arch.head_dim, arch.intermediate_size
+    layer = [((arch.num_heads + 2 * arch.num_kv_heads) * d, h), (h, arch.num_heads * d), (2 * inter, h), (h, inter)]
+    return layer * arch.num_layers + [(arch.vocab_size, h)]
 
 
 def kernel_pass(xs: dict, weights: list[torch.Tensor], packed: list[torch.Tensor]) -> None:
@@ -61,11 +55,19 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,4,16,64", help="comma list of row counts M (the decode batch)")
     ap.add_argument("--rounds", type=int, default=7, help="timed rounds per row count (after one warm-up)")
     args = ap.parse_args(argv)
+    try:
+        arch = load_arch("", args.size)
+    except RecipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if arch.num_experts:
+        print(f"error: --size {args.size} is a MoE model; this bench times the dense projections", file=sys.stderr)
+        return 2
     if not packed_linear.bf16_kernel():
         print("error: the bf16 kernel does not run here (no AVX512-BF16, or it could not be built)", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    shapes = projections(args.size)
+    shapes = projections(arch)
     weights = [(torch.randn(n, k) * 0.02).to(torch.bfloat16) for n, k in shapes]
     nbytes = sum(w.numel() * 2 for w in weights)
     threads = torch.get_num_threads()
