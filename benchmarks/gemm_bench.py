@@ -1,8 +1,8 @@
-"""Decode GEMMs alone: the bf16 kernel (`cann_cpu::bf16_rows_linear`) vs oneDNN on packed weights.
+"""Decode GEMMs alone: the project's kernel (`cann_cpu::rows_linear`) vs oneDNN on packed weights.
 
 Why: a batched decode step is one pass over every projection with M = batch rows. This times that
 pass outside the model, on the projections of a named size as the loader merges them (qkv_proj,
-o_proj, gate_up_proj, down_proj per layer, and the lm_head), with random bf16 weights, so the
+o_proj, gate_up_proj, down_proj per layer, and the lm_head), with random weights of --dtype, so the
 GEMM's own streaming rate is seen without the rest of the step.
 
 Each round times one full pass per method and, right before it, one fp32 sum over 512 MiB; the
@@ -11,7 +11,7 @@ sum rate itself moved between 33 and 64 GB/s from run to run, so the ratio is wh
 GFLOP/s = 2 x M x parameters / pass time.
 
   python benchmarks/gemm_bench.py
-  python benchmarks/gemm_bench.py --size qwen3-0.6b --rows 1,4,16,64 --rounds 7
+  python benchmarks/gemm_bench.py --size qwen3-0.6b --dtype float32 --rows 1,4,16,64 --rounds 7
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def projections(arch: ModelArch) -> list[tuple[int, int]]:
 
 def kernel_pass(xs: dict, weights: list[torch.Tensor], packed: list[torch.Tensor]) -> None:
     for w, p in zip(weights, packed):
-        torch.ops.cann_cpu.bf16_rows_linear(xs[w.shape[1]], p, None)
+        torch.ops.cann_cpu.rows_linear(xs[w.shape[1]], p, None)
 
 
 def onednn_pass(xs: dict, weights: list[torch.Tensor], packed: list[torch.Tensor]) -> None:
@@ -54,6 +54,7 @@ def main(argv=None) -> int:
     ap.add_argument("--size", default="qwen3-0.6b", help="named size in configs/model_sizes.yaml (a dense one)")
     ap.add_argument("--rows", default="1,4,16,64", help="comma list of row counts M (the decode batch)")
     ap.add_argument("--rounds", type=int, default=7, help="timed rounds per row count (after one warm-up)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weight and row dtype")
     args = ap.parse_args(argv)
     try:
         arch = load_arch("", args.size)
@@ -63,15 +64,22 @@ def main(argv=None) -> int:
     if arch.num_experts:
         print(f"error: --size {args.size} is a MoE model; this bench times the dense projections", file=sys.stderr)
         return 2
-    if not packed_linear.bf16_kernel():
-        print("error: the bf16 kernel does not run here (no AVX512-BF16, or it could not be built)", file=sys.stderr)
+    dtype = getattr(torch, args.dtype)
+    if not packed_linear.kernel_runs(dtype):
+        need = "AVX512-BF16" if dtype == torch.bfloat16 else "AVX-512"
+        print(
+            f"error: the {args.dtype} kernel does not run here (no {need}, or it could not be built)", file=sys.stderr
+        )
         return 2
     torch.manual_seed(0)
     shapes = projections(arch)
-    weights = [(torch.randn(n, k) * 0.02).to(torch.bfloat16) for n, k in shapes]
-    nbytes = sum(w.numel() * 2 for w in weights)
+    weights = [(torch.randn(n, k) * 0.02).to(dtype) for n, k in shapes]
+    size = weights[0].element_size()
+    nbytes = sum(w.numel() * size for w in weights)
     threads = torch.get_num_threads()
-    print(f"# gemm_bench: {args.size}, {len(shapes)} projections, {nbytes / 1e6:.0f} MB bf16, {threads} threads")
+    print(
+        f"# gemm_bench: {args.size}, {len(shapes)} projections, {nbytes / 1e6:.0f} MB {args.dtype}, {threads} threads"
+    )
     total = torch.empty(1 << 27).uniform_()  # 512 MiB fp32: the sum rate next to every pass
 
     def sum_rate() -> float:
@@ -82,9 +90,9 @@ def main(argv=None) -> int:
     print("| M | method | GB/s (median) | x fp32 sum rate | GFLOP/s |")
     print("|---|---|---|---|---|")
     for rows in [int(r) for r in args.rows.split(",")]:
-        xs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {k for _, k in shapes}}
+        xs = {k: torch.randn(rows, k).to(dtype) for k in {k for _, k in shapes}}
         methods = {
-            "kernel": (kernel_pass, [packed_linear.pack_bf16_rows(w) for w in weights]),
+            "kernel": (kernel_pass, [packed_linear.pack_rows(w) for w in weights]),
             "oneDNN packed": (onednn_pass, [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]),
         }
         rates: dict[str, list[float]] = {m: [] for m in methods}
@@ -100,7 +108,7 @@ def main(argv=None) -> int:
                     ratios[name].append(rate / reference)
         for name in methods:
             rate = statistics.median(rates[name])
-            gflops = rows * rate  # 2 FLOPs per parameter and row, 2 bytes per parameter
+            gflops = 2 * rows * rate / size  # 2 FLOPs per parameter and row
             print(f"| {rows} | {name} | {rate:.1f} | {statistics.median(ratios[name]):.2f} | {gflops:.0f} |")
         del methods  # one packed copy of the weights per method: free them before the next M
     return 0

@@ -19,7 +19,7 @@ What is counted, in bytes (an estimate meant to be within a small factor, not ex
   head, the FFN's intermediate, hidden-size buffers and the fp32 logits;
 - compile: graph modes trace and compile the decode step inside this process; on CPU with more
   than one row per step, the decode graph also keeps a packed copy of its large weights
-  (oneDNN's layout, or in bf16 the kernel's: executor.backends.packed_linear), counted as one
+  (oneDNN's layout, or the kernel's: executor.backends.packed_linear), counted as one
   more copy of all of them.
 Several devices (parallel_config): the estimate is per rank, from the rank's part of the model
 (parameters counted on its meta model), its attention-DP share of the batch rows, its KV heads

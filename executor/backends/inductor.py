@@ -115,7 +115,7 @@ def _gemv_to_reduction(gm: torch.fx.GraphModule, decomposes_small: bool = False)
 
 def _lower_cpu_gemms(gm: torch.fx.GraphModule, decomposes_small: bool) -> None:
     """The decode GEMMs' CPU lowerings, before Inductor: large single-row ones become generated
-    reductions, batched ones calls on weights packed once (oneDNN, or in bf16 this project's kernel:
+    reductions, batched ones calls on weights packed once (oneDNN, or this project's kernel:
     executor.backends.packed_linear)."""
     _gemv_to_reduction(gm, decomposes_small)
     pack_batched_linears(gm)

@@ -1,4 +1,4 @@
-"""Decode GEMMs with a few rows (batch > 1) on CPU: each weight packed once, for oneDNN or a bf16 kernel.
+"""Decode GEMMs with a few rows (batch > 1) on CPU: each weight packed once, for oneDNN or our kernel.
 
 Why: a batched decode step multiplies a handful of rows (M = batch, 2-64) by every weight
 matrix, so it is still a stream over the weights. aten's linear re-lays the weight out on every
@@ -9,12 +9,13 @@ against ~30 GB/s of read bandwidth. With the weight reordered once into oneDNN's
 27-29 GB/s for M = 4 in both dtypes, and at 140 (fp32) / 290 (bf16) GFLOP/s for M = 16
 (BENCHMARKS.md, "fourth pass").
 
-In bf16, on a CPU with AVX512-BF16, up to 16 rows, the call is this project's own kernel instead
-(`cann_cpu::bf16_rows_linear`, csrc/bf16_rows_linear.cpp) on the weight packed for vdpbf16ps: on
-the 0.6B shape's projections it read the weights at 0.97-1.0x of a sum's rate at M = 4 where
-oneDNN read 0.73-0.78x, and ran 1.1x oneDNN's GFLOP/s at M = 16 (BENCHMARKS.md, "eighth pass").
-It is compiled on first use like a custom op's kernel; where it cannot be built (no compiler) one
-line says so and oneDNN runs the call.
+On a CPU with AVX-512 (AVX512-BF16 for bf16), up to a few rows, the call is this project's own
+kernel instead (`cann_cpu::rows_linear`, csrc/rows_linear.cpp) on the weight packed for its
+vector loop: on the 0.6B shape's projections at M = 4 it read the weights at 0.97-1.0x of a sum's
+rate where oneDNN read 0.73-0.78x in bf16 and 0.57x in fp32, and ran 1.1x oneDNN's GFLOP/s at
+M = 16 in bf16 (BENCHMARKS.md, "eighth" and "ninth pass"). It is compiled on first use like a
+custom op's kernel; where it cannot be built (no compiler) one line says so and oneDNN runs the
+call.
 
 The packed copy is made on the first decode call from the live weight and kept next to it
 (executor.memo: dropped with the weight, remade if the weight is changed in place), so the compiled
@@ -42,18 +43,20 @@ from executor.memo import TensorMemo
 # projection is above.
 MIN_WEIGHT_NUMEL = 1 << 20
 
-# The bf16 kernel's limits: whole 64-column blocks, whole k pairs, at most MAX_KERNEL_ROWS rows.
-# In the 0.6B-shape decode step (ge_graph, one process, kernel and oneDNN alternating, 5 rounds)
-# the kernel took the step to 0.75x at batch 4 and 0.86x at batch 16, but to 1.09x at batch 64,
-# although alone it out-ran oneDNN there too; 32 rows gave 0.96x, inside its rounds' spread
-# (0.88-1.09), so the cap stays where the gain is clear. A single row stays with the GEMV lowering:
-# the kernel there made the batch-1 step 1.10x slower (likely the Python dispatch of 113 calls per
-# step; not measured apart).
+# The kernel's limits: whole 64-column blocks (and whole k pairs in bf16), at most MAX_KERNEL_ROWS
+# rows. In the 0.6B-shape decode step (ge_graph, one process, kernel and oneDNN alternating, 5
+# rounds, median ratio) the kernel took the step to 0.75x (bf16) / 0.81x (fp32) at batch 4 and
+# 0.86x / 0.91x at batch 16, but to 1.09x / 1.00x at batch 64, although alone it out-ran (bf16)
+# or matched (fp32) oneDNN there; bf16 at 32 rows gave 0.96x, inside its rounds' spread (0.88-1.09), so the cap stays
+# where the gain is clear (BENCHMARKS.md, "eighth" and "ninth pass"). A single row stays with the
+# GEMV lowering: the kernel there made the bf16 batch-1 step 1.10x slower (likely the Python
+# dispatch of 113 calls per step; not measured apart).
 KERNEL_COLS = 64
 MAX_KERNEL_ROWS = 16
-KERNEL_SOURCE = Path(__file__).resolve().parent / "csrc" / "bf16_rows_linear.cpp"
+KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+KERNEL_SOURCE = Path(__file__).resolve().parent / "csrc" / "rows_linear.cpp"
 
-_packed: TensorMemo[torch.Tensor] = TensorMemo()  # weight -> its packed copy, per rows hint (or "bf16_rows")
+_packed: TensorMemo[torch.Tensor] = TensorMemo()  # weight -> its packed copy, per rows hint (or "rows")
 
 
 def supported(dtype: torch.dtype) -> bool:
@@ -72,46 +75,57 @@ def supported(dtype: torch.dtype) -> bool:
 # micro-benchmarks; BENCHMARKS.md, "sixth pass"): 3-5 ms of a ~60 ms bf16 batch-4 step.
 _lib = torch.library.Library("cann_cpu", "DEF")
 _lib.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-_lib.define("bf16_rows_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")  # kernel: csrc/
-_lib.define("bf16_rows_supported() -> bool")
+_lib.define("rows_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")  # kernel: csrc/rows_linear.cpp
+_lib.define("rows_supported(ScalarType dtype) -> bool")
 
 
 @functools.cache
-def bf16_kernel() -> bool:
-    """The bf16 kernel is built and loaded, and this CPU runs it. Built once per machine, on the
-    first ask (a decode graph's compile); a build that cannot happen is said once, not raised:
-    oneDNN then runs every call, as before the kernel existed."""
-    if not supported(torch.bfloat16):
-        return False
+def _kernel_library() -> bool:
+    """Build (once per machine) and load the kernel library, on the first ask (a decode graph's
+    compile). A build that cannot happen is said once, not raised: oneDNN then runs every call,
+    as before the kernel existed."""
     try:
-        load_kernel("cann_cpu::bf16_rows_linear", "cann_cpu_bf16_rows_linear", [str(KERNEL_SOURCE)], remedy="")
+        load_kernel("cann_cpu::rows_linear", "cann_cpu_rows_linear", [str(KERNEL_SOURCE)], remedy="")
     except KernelBuildError as exc:
-        print(f"[packed_linear] {exc}; bf16 batched decode GEMMs run on oneDNN instead", flush=True)
+        print(f"[packed_linear] {exc}; batched decode GEMMs run on oneDNN instead", flush=True)
         return False
-    return bool(torch.ops.cann_cpu.bf16_rows_supported())
+    return True
+
+
+@functools.cache
+def kernel_runs(dtype: torch.dtype) -> bool:
+    """The kernel is built and loaded, and this CPU runs it for `dtype` (bf16 or fp32)."""
+    if dtype not in KERNEL_DTYPES or not supported(dtype):
+        return False
+    return _kernel_library() and bool(torch.ops.cann_cpu.rows_supported(dtype))
 
 
 def kernel_fits(weight: torch.Tensor, rows: int) -> bool:
-    """The bf16 kernel runs this product: bf16, whole column blocks and k pairs, few rows, a CPU with it."""
+    """The kernel runs this product: whole column blocks (and k pairs in bf16), few rows, a CPU with it."""
     n, k = weight.shape
-    return (
-        weight.dtype == torch.bfloat16 and n % KERNEL_COLS == 0 and k % 2 == 0 and rows <= MAX_KERNEL_ROWS
-    ) and bf16_kernel()
+    dtype = weight.dtype
+    if dtype not in KERNEL_DTYPES or n % KERNEL_COLS or rows > MAX_KERNEL_ROWS:
+        return False
+    return (dtype != torch.bfloat16 or k % 2 == 0) and kernel_runs(dtype)
 
 
-def pack_bf16_rows(weight: torch.Tensor) -> torch.Tensor:
-    """(N, K) -> (N/64, K/2, 64, 2): per 64-column block, k pairs outermost (vdpbf16ps's operand)."""
+def pack_rows(weight: torch.Tensor) -> torch.Tensor:
+    """The kernel's layout, per 64-column block: bf16 (N, K) -> (N/64, K/2, 64, 2), k pairs outermost
+    (vdpbf16ps's operand); fp32 (N, K) -> (N/64, K, 64)."""
     n, k = weight.shape
-    return weight.detach().contiguous().view(n // KERNEL_COLS, KERNEL_COLS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    w = weight.detach().contiguous()
+    if weight.dtype == torch.bfloat16:
+        return w.view(n // KERNEL_COLS, KERNEL_COLS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return w.view(n // KERNEL_COLS, KERNEL_COLS, k).permute(0, 2, 1).contiguous()
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`linear(x, weight, bias)` on `weight` packed once: the bf16 kernel where it fits, else oneDNN
+    """`linear(x, weight, bias)` on `weight` packed once: the kernel where it fits, else oneDNN
     (packed for x's row count)."""
     rows = x.numel() // x.shape[-1]
     if kernel_fits(weight, rows):
-        packed = _packed.get(weight, lambda: pack_bf16_rows(weight), "bf16_rows")
-        return torch.ops.cann_cpu.bf16_rows_linear(x, packed, bias)
+        packed = _packed.get(weight, lambda: pack_rows(weight), "rows")
+        return torch.ops.cann_cpu.rows_linear(x, packed, bias)
     packed = _packed.get(weight, lambda: torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows), rows)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
@@ -124,9 +138,9 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-@torch.library.register_fake("cann_cpu::bf16_rows_linear")
+@torch.library.register_fake("cann_cpu::rows_linear")
 def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], packed.shape[0] * packed.shape[2]))
+    return x.new_empty((*x.shape[:-1], packed.shape[0] * KERNEL_COLS))
 
 
 def pack_batched_linears(gm: torch.fx.GraphModule) -> int:

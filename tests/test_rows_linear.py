@@ -1,0 +1,160 @@
+"""cann_cpu::rows_linear: the AVX-512 kernel that batched bf16 and fp32 decode GEMMs run on CPU
+(executor.backends.packed_linear), against fp32 `linear` on the same values.
+
+The kernel needs a C++ compiler and a CPU with AVX-512 (AVX512-BF16 for bf16); where one is
+missing the kernel tests of that dtype skip, while the packing and no-compiler tests run
+everywhere oneDNN runs bf16.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from executor.backends import packed_linear
+
+REPO = Path(__file__).resolve().parents[1]
+
+needs_kernel = pytest.mark.skipif(
+    not packed_linear.kernel_runs(torch.bfloat16), reason="no AVX512-BF16 on this CPU, or the kernel could not be built"
+)
+needs_f32_kernel = pytest.mark.skipif(
+    not packed_linear.kernel_runs(torch.float32), reason="no AVX-512 on this CPU, or the kernel could not be built"
+)
+DTYPES = [
+    pytest.param(torch.bfloat16, marks=needs_kernel, id="bf16"),
+    pytest.param(torch.float32, marks=needs_f32_kernel, id="fp32"),
+]
+# fp32 accumulation in both; bf16 rounds once to bf16 at the end (its half-ulp), fp32 differs from
+# oneDNN/MKL only in the summation order
+TOLERANCE = {torch.bfloat16: {"rtol": 8e-3, "atol": 1e-2}, torch.float32: {"rtol": 1e-5, "atol": 1e-4}}
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+
+
+def test_bf16_packing_puts_k_pairs_of_64_columns_together():
+    w = torch.arange(128 * 6, dtype=torch.float32).view(128, 6).to(torch.bfloat16)
+    p = packed_linear.pack_rows(w)
+    assert p.shape == (2, 3, 64, 2)
+    for nb, kp, j, t in [(0, 0, 0, 0), (0, 0, 0, 1), (1, 2, 63, 1), (1, 0, 5, 0), (0, 1, 17, 1)]:
+        assert p[nb, kp, j, t] == w[nb * 64 + j, 2 * kp + t]
+
+
+def test_fp32_packing_puts_each_k_row_of_64_columns_together():
+    w = torch.arange(128 * 5, dtype=torch.float32).view(128, 5)
+    p = packed_linear.pack_rows(w)
+    assert p.shape == (2, 5, 64)
+    for nb, k, j in [(0, 0, 0), (0, 4, 1), (1, 2, 63), (1, 0, 5), (0, 3, 17)]:
+        assert p[nb, k, j] == w[nb * 64 + j, k]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_kernel_matches_fp32_linear_for_every_tile_size(dtype, rows, bias):
+    """Row counts that exercise every tile height (1-6) and a remainder after full tiles."""
+    torch.manual_seed(rows)
+    w = (torch.randn(192, 258) * 0.05).to(dtype)  # 3 column blocks, K = 129 pairs
+    b = torch.randn(192).to(dtype) if bias else None
+    x = torch.randn(rows, 258).to(dtype)
+    y = torch.ops.cann_cpu.rows_linear(x, packed_linear.pack_rows(w), b)
+    assert y.dtype == dtype and y.shape == (rows, 192)
+    torch.testing.assert_close(y.float(), reference(x, w, b), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_takes_strided_and_batched_rows(dtype):
+    torch.manual_seed(0)
+    w = (torch.randn(128, 64) * 0.1).to(dtype)
+    x = torch.randn(3, 2, 128).to(dtype)[..., ::2]  # (3, 2, 64), not contiguous
+    y = torch.ops.cann_cpu.rows_linear(x, packed_linear.pack_rows(w), None)
+    assert y.shape == (3, 2, 128)
+    torch.testing.assert_close(y.float(), reference(x, w, None), **TOLERANCE[dtype])
+
+
+@needs_kernel
+@needs_f32_kernel
+def test_kernel_refuses_a_weight_that_is_not_packed_or_of_another_dtype():
+    w = torch.randn(128, 64)
+    with pytest.raises(RuntimeError, match=r"packed as \(N/64, K/2, 64, 2\)"):
+        torch.ops.cann_cpu.rows_linear(torch.randn(2, 64).to(torch.bfloat16), w.to(torch.bfloat16), None)
+    with pytest.raises(RuntimeError, match=r"packed as \(N/64, K, 64\)"):
+        torch.ops.cann_cpu.rows_linear(torch.randn(2, 64), w, None)
+    with pytest.raises(RuntimeError, match="x is BFloat16, the packed weight Float"):
+        torch.ops.cann_cpu.rows_linear(torch.randn(2, 64).to(torch.bfloat16), packed_linear.pack_rows(w), None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_linear_runs_the_kernel_where_it_fits_and_onednn_elsewhere(dtype):
+    """The kernel where it fits (64-column blocks, at most MAX_KERNEL_ROWS rows); oneDNN's packed
+    weight for a row count above the limit and for a weight the blocks do not divide."""
+    torch.manual_seed(0)
+    fits = (torch.randn(256, 128) * 0.1).to(dtype)
+    ragged = (torch.randn(200, 128) * 0.1).to(dtype)
+    kernel_shape = (4, 64, 64, 2) if dtype == torch.bfloat16 else (4, 128, 64)
+    above = packed_linear.MAX_KERNEL_ROWS + 1
+    for w, rows, kernel in [(fits, 4, True), (ragged, 4, False), (fits, above, False)]:
+        xr = torch.randn(rows, 128).to(dtype)
+        y = packed_linear.packed_linear(xr, w, None)
+        torch.testing.assert_close(y.float(), reference(xr, w, None), rtol=2e-2, atol=2e-2)
+        kept = packed_linear._packed.kept(w)
+        assert (kept.shape == kernel_shape) == kernel, (w.shape, rows, kept.shape)
+
+
+def test_no_compiler_is_one_line_and_onednn_runs_the_call(tmp_path):
+    """A fresh kernel cache and CXX pointing at nothing: packed_linear says so once and gives the
+    same product through oneDNN (no error: the kernel is a lowering choice, not something asked for)."""
+    if not packed_linear.supported(torch.bfloat16):
+        pytest.skip("oneDNN does not run bf16 natively on this CPU")
+    env = dict(os.environ, CXX=str(tmp_path / "no" / "g++"), CANN_RECIPES_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    code = (
+        "import torch\n"
+        "from executor.backends import packed_linear as p\n"
+        "w = torch.randn(256, 128).to(torch.bfloat16)\n"
+        "x = torch.randn(4, 128).to(torch.bfloat16)\n"
+        "for _ in range(3):\n"
+        "    y = p.packed_linear(x, w, None)\n"
+        "ref = torch.nn.functional.linear(x.float(), w.float())\n"
+        "torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)\n"
+        "print('kept', p._packed.kept(w).dim())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[packed_linear]")]
+    assert len(lines) == 1, proc.stdout
+    assert str(tmp_path / "no" / "g++") in lines[0] and "run on oneDNN instead" in lines[0]
+    assert "model_config.custom_ops" not in lines[0]
+    assert proc.stdout.rstrip().endswith("kept 2")  # oneDNN's packed copy
+    assert not list((tmp_path / "ext").glob("*/*.so"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batched_graph_decode_on_the_kernel_agrees_with_fp32_eager(tmp_path, make_qwen_runner, dtype):
+    """A Qwen2 checkpoint whose gate_up projection is large enough to be packed: the ge_graph
+    decode at batch 2 runs it on the kernel, and its first decode step's logits agree with the
+    fp32 eager run's (bf16 by cosine, the project's bf16 standard; fp32 to rounding)."""
+    import tests.checkpoints as ckpt
+
+    inter = packed_linear.MIN_WEIGHT_NUMEL // (2 * ckpt.QWEN2_CONFIG["hidden_size"])
+    path = ckpt.make_qwen2_checkpoint(tmp_path / "qwen2", intermediate_size=inter, init_std=0.05)
+    prompts = [[7, 42, 133, 250, 9, 311, 77, 400, 15], [3, 14, 15, 92, 65, 35, 89, 79, 32]]
+    common = ("scheduler_config.batch_size=2", "model_config.enable_cache_compile=false")
+    name = "bfloat16" if dtype == torch.bfloat16 else "float32"
+    graph = make_qwen_runner(path, *common, f"model_config.dtype={name}", "model_config.exe_mode=ge_graph")
+    fp32 = make_qwen_runner(path, *common, "model_config.exe_mode=eager")
+    got, want = graph.generate(prompts, 2), fp32.generate(prompts, 2)
+    gate_up = graph.model.layers[0].mlp.gate_up_proj.weight
+    assert packed_linear._packed.kept(gate_up).dim() == (4 if dtype == torch.bfloat16 else 3)  # the kernel ran
+    assert got.token_ids[0][0] == want.token_ids[0][0] and got.token_ids[1][0] == want.token_ids[1][0]
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.last_logits, want.last_logits, rtol=1e-4, atol=1e-4)
+        assert got.token_ids == want.token_ids
+    cos = torch.nn.functional.cosine_similarity(got.last_logits.float(), want.last_logits.float(), dim=-1)
+    assert cos.min().item() > 0.99, cos
