@@ -102,10 +102,17 @@ def test_packed_linear_runs_the_kernel_where_it_fits_and_onednn_elsewhere(dtype)
     above = packed_linear.MAX_KERNEL_ROWS + 1
     for w, rows, kernel in [(fits, 4, True), (ragged, 4, False), (fits, above, False)]:
         xr = torch.randn(rows, 128).to(dtype)
-        y = packed_linear.packed_linear(xr, w, None)
-        torch.testing.assert_close(y.float(), reference(xr, w, None), rtol=2e-2, atol=2e-2)
+        b = torch.randn(w.shape[0]).to(dtype)
+        for _ in range(2):  # the second call reuses the packed weight (and the kernel's fp32 bias)
+            y = packed_linear.packed_linear(xr, w, b)
+            torch.testing.assert_close(y.float(), reference(xr, w, b), rtol=2e-2, atol=2e-2)
         kept = packed_linear._packed.kept(w)
         assert (kept.shape == kernel_shape) == kernel, (w.shape, rows, kept.shape)
+    b = torch.randn(256).to(dtype)
+    first = packed_linear.packed_linear(torch.ones(4, 128).to(dtype), fits, b)
+    b.add_(1.0)  # changed in place: the kernel must not add a stale fp32 copy
+    again = packed_linear.packed_linear(torch.ones(4, 128).to(dtype), fits, b)
+    torch.testing.assert_close(again.float(), first.float() + 1.0, rtol=2e-2, atol=2e-2)  # a stale bias: off by 1
 
 
 def test_no_compiler_is_one_line_and_onednn_runs_the_call(tmp_path):

@@ -125,6 +125,8 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     rows = x.numel() // x.shape[-1]
     if kernel_fits(weight, rows):
         packed = _packed.get(weight, lambda: pack_rows(weight), "rows")
+        if bias is not None and bias.dtype != torch.float32:  # the kernel adds it in fp32: convert once
+            bias = _packed.get(bias, lambda: bias.detach().float(), "fp32")
         return torch.ops.cann_cpu.rows_linear(x, packed, bias)
     packed = _packed.get(weight, lambda: torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows), rows)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
