@@ -12,7 +12,7 @@ against ~30 GB/s of read bandwidth. With the weight reordered once into oneDNN's
 On a CPU with AVX-512 (AVX512-BF16 for bf16), up to a few rows, the call is this project's own
 kernel instead (`cann_cpu::rows_linear`, csrc/rows_linear.cpp) on the weight packed for its
 vector loop: on the 0.6B shape's projections at M = 4 it read the weights at 0.97-1.0x of a sum's
-rate where oneDNN read 0.73-0.78x in bf16 and 0.57x in fp32, and ran 1.1x oneDNN's GFLOP/s at
+rate where oneDNN read 0.73-0.78x in bf16 and 0.57-0.77x in fp32, and ran 1.1x oneDNN's GFLOP/s at
 M = 16 in bf16 (BENCHMARKS.md, "eighth" and "ninth pass"). It is compiled on first use like a
 custom op's kernel; where it cannot be built (no compiler) one line says so and oneDNN runs the
 call.

@@ -10,7 +10,7 @@
 //
 // Why a kernel: at M = 1-64 a decode GEMM streams the whole weight once per step. oneDNN on a
 // weight packed for the row count read the Qwen3-0.6B projections at 0.73-0.78x of a plain fp32
-// sum's rate at M = 4 in bf16 (0.57x in fp32) on the 2-core reference machine; this loop reads
+// sum's rate at M = 4 in bf16 (0.57-0.77x in fp32) on the 2-core reference machine; this loop reads
 // them at 0.97-1.0x, and at M = 16 and 64 (compute-bound) reaches 327-416 bf16 GFLOP/s against
 // oneDNN's 291-343 (BENCHMARKS.md, "eighth" and "ninth pass"; the Python side caps the rows where
 // the whole decode step measured faster). A tile is up to 6 rows x 64 columns: 24 fp32
