@@ -3,7 +3,7 @@
 
 The kernel needs a C++ compiler and a CPU with AVX-512 (AVX512-BF16 for bf16); where one is
 missing the kernel tests of that dtype skip, while the packing and no-compiler tests run
-everywhere oneDNN runs bf16.
+everywhere.
 """
 
 from __future__ import annotations
@@ -118,18 +118,17 @@ def test_packed_linear_runs_the_kernel_where_it_fits_and_onednn_elsewhere(dtype)
 def test_no_compiler_is_one_line_and_onednn_runs_the_call(tmp_path):
     """A fresh kernel cache and CXX pointing at nothing: packed_linear says so once and gives the
     same product through oneDNN (no error: the kernel is a lowering choice, not something asked for)."""
-    if not packed_linear.supported(torch.bfloat16):
-        pytest.skip("oneDNN does not run bf16 natively on this CPU")
+    if not packed_linear.supported(torch.float32):
+        pytest.skip("this torch build has no oneDNN")
     env = dict(os.environ, CXX=str(tmp_path / "no" / "g++"), CANN_RECIPES_EXTENSIONS_DIR=str(tmp_path / "ext"))
     code = (
         "import torch\n"
         "from executor.backends import packed_linear as p\n"
-        "w = torch.randn(256, 128).to(torch.bfloat16)\n"
-        "x = torch.randn(4, 128).to(torch.bfloat16)\n"
+        "w = torch.randn(256, 128)\n"
+        "x = torch.randn(4, 128)\n"
         "for _ in range(3):\n"
         "    y = p.packed_linear(x, w, None)\n"
-        "ref = torch.nn.functional.linear(x.float(), w.float())\n"
-        "torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)\n"
+        "torch.testing.assert_close(y, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)\n"
         "print('kept', p._packed.kept(w).dim())\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
