@@ -15,8 +15,9 @@
 // oneDNN's 291-343 (BENCHMARKS.md, "eighth" and "ninth pass"; the Python side caps the rows where
 // the whole decode step measured faster). A tile is up to 6 rows x 64 columns: 24 fp32
 // accumulators, 4 weight registers and one broadcast, no horizontal reduction; each weight block
-// is read from memory once and from cache by the further tiles of rows. Blocking K as well (to
-// keep a block in L1 across row tiles) measured no better.
+// is read from memory once and from cache by the further tiles of rows, while they prefetch the
+// next block (run_tiles). Blocking K as well (to keep a block in L1 across row tiles) measured
+// slower: 0.6-0.9x at M = 16-64 with chunks of 16-256 k steps (BENCHMARKS.md, "tenth pass").
 //
 // The vector code is compiled for AVX-512 per function (target attribute), so the library builds
 // with the project's usual flags on any x86-64 host; rows_supported(dtype) says whether this CPU
@@ -44,10 +45,16 @@ constexpr int kRows = 6;        // rows per tile: 6 x 4 accumulators + 4 weights
 #define CANN_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 #define CANN_F32_TARGET __attribute__((target("avx512f")))
 
-// One bf16 tile: MB rows of x (row stride ldx) times one packed 64-column block (K2 pairs).
+// Touch `lines` cache lines from `pf` on into L2: the caller's share of the next block (run_tiles).
+inline void prefetch_lines(const char* pf, int lines) {
+  for (int i = 0; i < lines; ++i) _mm_prefetch(pf + i * 64, _MM_HINT_T1);
+}
+
+// One bf16 tile: MB rows of x (row stride ldx) times one packed 64-column block (K2 pairs); each
+// pair step also prefetches `pfl` lines from `pf` on.
 template <int MB>
 CANN_BF16_TARGET inline void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K2,
-                                       const float* bias, uint16_t* y, int64_t ldy) {
+                                       const float* bias, uint16_t* y, int64_t ldy, const char* pf, int pfl) {
   __m512 acc[MB][4];
   for (int m = 0; m < MB; ++m)
     for (int c = 0; c < 4; ++c) acc[m][c] = bias ? _mm512_loadu_ps(bias + c * 16) : _mm512_setzero_ps();
@@ -55,6 +62,7 @@ CANN_BF16_TARGET inline void bf16_tile(const uint16_t* x, int64_t ldx, const uin
   for (int m = 0; m < MB; ++m) xr[m] = reinterpret_cast<const int32_t*>(x + m * ldx);
   for (int64_t kp = 0; kp < K2; ++kp) {
     const uint16_t* wk = w + kp * 2 * kCols;
+    prefetch_lines(pf + kp * pfl * 64, pfl);
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
     const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wk + 64);
@@ -72,15 +80,17 @@ CANN_BF16_TARGET inline void bf16_tile(const uint16_t* x, int64_t ldx, const uin
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy + c * 16), (__m256i)_mm512_cvtneps_pbh(acc[m][c]));
 }
 
-// One fp32 tile: MB rows of x (row stride ldx) times one packed 64-column block (K rows of 64).
+// One fp32 tile: MB rows of x (row stride ldx) times one packed 64-column block (K rows of 64);
+// each k step also prefetches `pfl` lines from `pf` on.
 template <int MB>
 CANN_F32_TARGET inline void f32_tile(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias,
-                                     float* y, int64_t ldy) {
+                                     float* y, int64_t ldy, const char* pf, int pfl) {
   __m512 acc[MB][4];
   for (int m = 0; m < MB; ++m)
     for (int c = 0; c < 4; ++c) acc[m][c] = bias ? _mm512_loadu_ps(bias + c * 16) : _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const float* wk = w + k * kCols;
+    prefetch_lines(pf + k * pfl * 64, pfl);
     const __m512 w0 = _mm512_loadu_ps(wk);
     const __m512 w1 = _mm512_loadu_ps(wk + 16);
     const __m512 w2 = _mm512_loadu_ps(wk + 32);
@@ -98,24 +108,38 @@ CANN_F32_TARGET inline void f32_tile(const float* x, int64_t ldx, const float* w
 }
 
 template <typename T>
-using TileFn = void (*)(const T*, int64_t, const T*, int64_t, const float*, T*, int64_t);
+using TileFn = void (*)(const T*, int64_t, const T*, int64_t, const float*, T*, int64_t, const char*, int);
 constexpr TileFn<uint16_t> kBf16Tiles[kRows + 1] = {
     nullptr, bf16_tile<1>, bf16_tile<2>, bf16_tile<3>, bf16_tile<4>, bf16_tile<5>, bf16_tile<6>};
 constexpr TileFn<float> kF32Tiles[kRows + 1] = {
     nullptr, f32_tile<1>, f32_tile<2>, f32_tile<3>, f32_tile<4>, f32_tile<5>, f32_tile<6>};
 
-// Every 64-column block (in parallel) times every tile of up to kRows rows. `kstep` is the packed
-// weight's k extent per block (K/2 pairs in bf16, K in fp32).
+// Every 64-column block (in parallel) times every tile of rows. `kstep` is the packed weight's k
+// extent per block (K/2 pairs in bf16, K in fp32), 256 bytes (4 cache lines) per step.
+//
+// With more than kRows rows a block is run by several tiles, of balanced sizes (16 rows: 6 + 5 + 5,
+// not 6 + 6 + 4). The first tile reads the block from memory, the others from L2; alone, that left
+// the memory bus idle while the later tiles computed. So every tile also prefetches a share of the
+// next block into L2, in proportion to its rows (4 x rows / M lines per step, rounded up): the
+// stream is spread over the whole block's compute. On the 0.6B-shape projections (cold, one pass
+// over all of them, 7 rounds) that ran M = 16 1.12-1.16x faster in fp32 and 1.15x in bf16, M = 32
+// 1.05x / 1.17x and M = 64 0.98x / 1.10x (BENCHMARKS.md, "tenth pass").
 template <typename T>
 void run_tiles(const TileFn<T>* tiles, const T* x, int64_t M, int64_t K, const T* w, int64_t NB, int64_t kstep,
                const float* bias, T* y) {
-  const int64_t N = NB * kCols, block = K * kCols;
+  const int64_t N = NB * kCols, block = K * kCols, n_tiles = (M + kRows - 1) / kRows;
   at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
     for (int64_t nb = begin; nb < end; ++nb) {
       const float* bb = bias ? bias + nb * kCols : nullptr;
-      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-        const int64_t mb = std::min<int64_t>(kRows, M - m0);
-        tiles[mb](x + m0 * K, K, w + nb * block, kstep, bb, y + m0 * N + nb * kCols, N);
+      const bool prefetch = n_tiles > 1 && nb + 1 < end;
+      const char* pf = reinterpret_cast<const char*>(w + (nb + 1) * block);  // lines rounded up may run
+      const char* stop = reinterpret_cast<const char*>(w + NB * block);        // into the block after
+      for (int64_t m0 = 0, t = 0, mb = 0; m0 < M; m0 += mb, ++t) {
+        mb = M / n_tiles + (t < M % n_tiles);
+        int pfl = prefetch ? static_cast<int>((4 * mb + M - 1) / M) : 0;
+        if (pfl && stop - pf < pfl * kstep * 64) pfl = 0;  // never past the weight's end
+        tiles[mb](x + m0 * K, K, w + nb * block, kstep, bb, y + m0 * N + nb * kCols, N, pf, pfl);
+        pf += pfl * kstep * 64;
       }
     }
   });
