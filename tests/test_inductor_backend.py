@@ -7,6 +7,8 @@ directly: which linears they take, and that compiled code computes the same thin
 without a SuperKernel scope around it.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from executor.backends.inductor import (
     INDUCTOR_DECOMPOSE_MAX_DIM,
     _gemv_to_reduction,
     _store_shared_opaque_inputs,
+    _store_shared_trig,
     compile_inductor,
 )
 from executor.scope import superkernel_scope
@@ -143,3 +146,36 @@ def test_a_value_several_custom_ops_read_is_stored_once():
         torch.testing.assert_close(compiled(*args), step(*args))
     # (That Inductor alone recomputed it per call is checked on a whole model, where it did:
     # tests/test_decode_attention_models.py.)
+
+
+def _rope_step(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Four 'layers' that all rotate by one RoPE cos/sin pair, computed once like the model's."""
+    freqs = positions.float().unsqueeze(-1) / (10000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    emb = torch.cat((freqs, freqs), -1).unsqueeze(1)
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    h = x
+    for _ in range(4):
+        h = (h * cos + h.flip(-1) * sin) @ torch.eye(64, dtype=x.dtype)
+    return h
+
+
+@pytest.mark.parametrize("store_once", [False, True], ids=["inductor_alone", "stored_once"])
+def test_rope_cos_and_sin_are_computed_once_per_step_not_once_per_layer(monkeypatch, store_once):
+    """Inductor counts cos and sin as cheap and recomputes them in every kernel that reads them
+    (each layer's rotation); the backend stores the shared values once."""
+    from torch._inductor.utils import run_and_get_code
+
+    import executor.backends.inductor as inductor
+
+    args = (torch.randn(8, 2, 1, 64), torch.arange(8).view(8, 1) * 3)
+    assert _store_shared_trig(_trace(_rope_step, *args)) == 2  # the cast of cos, the cast of sin
+    if not store_once:
+        monkeypatch.setattr(inductor, "_store_shared_trig", lambda gm: 0)
+    with torch.no_grad():
+        compiled = compile_inductor(_rope_step, False, "cpu")
+        out, code = run_and_get_code(lambda: compiled(*args))
+        torch.testing.assert_close(out, _rope_step(*args))
+    # Inductor names a kernel after its ops and reuses one kernel for identical layers: count calls.
+    calls = [name for src in code for name in re.findall(r"^\s+(cpp_fused\w*)\(", src, re.MULTILINE)]
+    cos_calls = sum("_cos" in name for name in calls)
+    assert cos_calls == (1 if store_once else 4), calls

@@ -162,10 +162,50 @@ def _store_shared_opaque_inputs(gm: torch.fx.GraphModule) -> int:
     return stored
 
 
+_TRIG = {torch.cos, torch.sin, "cos", "sin", torch.ops.aten.cos.default, torch.ops.aten.sin.default}
+
+
+def _store_shared_trig(gm: torch.fx.GraphModule) -> int:
+    """Store once a cos / sin value (or what it becomes: a cast, a view) that several nodes read.
+
+    Why: Inductor recomputes a pointwise value in every kernel that reads it unless it judges the
+    value costly, and on CPU it counts exp, log, sigmoid and tanh as costly but not cos, sin or
+    pow. The RoPE cos/sin of a decode step (B, 1, 1, head_dim), computed once by the model, are
+    read by the q and k rotation of every layer, so each layer's kernel computed pow, cos and
+    sin again for every head: 0.56 ms of each layer's 0.59 ms fused RoPE kernel at the 0.6B
+    shape, bf16 batch 64 (BENCHMARKS.md, "tenth pass"). Stored once, a read is a load; the
+    stored value is also the one eager mode uses (rounded to the model dtype before the
+    multiply). Returns how many values are now stored once."""
+    import torch._inductor.inductor_prims  # registers prims.inductor_force_stride_order
+
+    stored = 0
+    for node in list(gm.graph.nodes):
+        if node.op not in ("call_function", "call_method") or node.target not in _TRIG:
+            continue
+        shared = node
+        while len(shared.users) == 1:  # through the cast / unsqueeze to the value that fans out
+            shared = next(iter(shared.users))
+        value = shared.meta.get("example_value")
+        if len(shared.users) < 2 or not isinstance(value, torch.Tensor) or shared.op == "output":
+            continue
+        users = list(shared.users)
+        with gm.graph.inserting_after(shared):
+            once = gm.graph.call_function(
+                torch.ops.prims.inductor_force_stride_order.default, (shared, tuple(value.stride()))
+            )
+        for user in users:
+            user.replace_input_with(shared, once)
+        stored += 1
+    if stored:
+        gm.recompile()
+    return stored
+
+
 def _before_inductor(gm: torch.fx.GraphModule, device: str, launch_unit: bool = False) -> None:
     """The graph passes every compiled decode graph (or SuperKernel segment) gets; `launch_unit`:
     compiled as one SuperKernel launch unit (CPU_LAUNCH_UNIT)."""
     _store_shared_opaque_inputs(gm)
+    _store_shared_trig(gm)
     if device == "cpu":
         _lower_cpu_gemms(gm, decomposes_small=launch_unit)
 
