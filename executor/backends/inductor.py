@@ -131,6 +131,18 @@ def _opaque(node: torch.fx.Node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target.namespace not in ("aten", "prims", "sk")
 
 
+def _store_once(gm: torch.fx.GraphModule, node: torch.fx.Node, users: list[torch.fx.Node]) -> None:
+    """Make `users` read `node`'s value from one stored buffer (Inductor's force_stride_order
+    copy) instead of each inlining the pointwise chain that made it."""
+    import torch._inductor.inductor_prims  # registers prims.inductor_force_stride_order
+
+    stride = tuple(node.meta["example_value"].stride())
+    with gm.graph.inserting_after(node):
+        once = gm.graph.call_function(torch.ops.prims.inductor_force_stride_order.default, (node, stride))
+    for user in users:
+        user.replace_input_with(node, once)
+
+
 def _store_shared_opaque_inputs(gm: torch.fx.GraphModule) -> int:
     """Store once a computed tensor that several custom-op calls read.
 
@@ -140,22 +152,14 @@ def _store_shared_opaque_inputs(gm: torch.fx.GraphModule) -> int:
     per step at 16k slots on the bench-overhead model (8 layers; a bool store per slot), i.e. a
     step that grew with max_len although the op reads only the valid slots. Returns how many
     values are now stored once."""
-    import torch._inductor.inductor_prims  # registers prims.inductor_force_stride_order
-
     stored = 0
     for node in list(gm.graph.nodes):
-        value = node.meta.get("example_value")
-        if node.op != "call_function" or not isinstance(value, torch.Tensor):
+        if node.op != "call_function" or not isinstance(node.meta.get("example_value"), torch.Tensor):
             continue
         users = [u for u in node.users if _opaque(u)]
         if len(users) < 2:
             continue
-        with gm.graph.inserting_after(node):
-            once = gm.graph.call_function(
-                torch.ops.prims.inductor_force_stride_order.default, (node, tuple(value.stride()))
-            )
-        for user in users:
-            user.replace_input_with(node, once)
+        _store_once(gm, node, users)
         stored += 1
     if stored:
         gm.recompile()
@@ -176,8 +180,6 @@ def _store_shared_trig(gm: torch.fx.GraphModule) -> int:
     once, at the 0.6B shape in bf16, batch 64 (BENCHMARKS.md, "tenth pass"). Stored once, a read
     is a load; the stored value is also the one eager mode uses (rounded to the model dtype
     before the multiply). Returns how many values are now stored once."""
-    import torch._inductor.inductor_prims  # registers prims.inductor_force_stride_order
-
     stored = 0
     for node in list(gm.graph.nodes):
         if node.op not in ("call_function", "call_method") or node.target not in _TRIG:
@@ -185,16 +187,9 @@ def _store_shared_trig(gm: torch.fx.GraphModule) -> int:
         shared = node
         while len(shared.users) == 1:  # through the cast / unsqueeze to the value that fans out
             shared = next(iter(shared.users))
-        value = shared.meta.get("example_value")
-        if len(shared.users) < 2 or not isinstance(value, torch.Tensor) or shared.op == "output":
+        if len(shared.users) < 2 or not isinstance(shared.meta.get("example_value"), torch.Tensor):
             continue
-        users = list(shared.users)
-        with gm.graph.inserting_after(shared):
-            once = gm.graph.call_function(
-                torch.ops.prims.inductor_force_stride_order.default, (shared, tuple(value.stride()))
-            )
-        for user in users:
-            user.replace_input_with(shared, once)
+        _store_once(gm, shared, list(shared.users))
         stored += 1
     if stored:
         gm.recompile()
