@@ -48,9 +48,10 @@ MIN_WEIGHT_NUMEL = 1 << 20
 # rounds, median ratio) the kernel took the step to 0.75x (bf16) / 0.81x (fp32) at batch 4 and
 # 0.86x / 0.91x at batch 16, but to 1.09x / 1.00x at batch 64, although alone it out-ran (bf16)
 # or matched (fp32) oneDNN there; bf16 at 32 rows gave 0.96x, inside its rounds' spread
-# (0.88-1.09). So the cap stays where the gain is clear (BENCHMARKS.md, "eighth" and "ninth
-# pass"). A single row stays with the GEMV lowering: the kernel there made the bf16 batch-1 step
-# 1.10x slower (likely the Python dispatch of 113 calls per step; not measured apart).
+# (0.88-1.09). With the prefetch of the tenth pass bf16 batch 64 gave 0.96x (rounds 0.94-1.45).
+# So the cap stays where the gain is clear (BENCHMARKS.md, "eighth" to "tenth pass"). A single
+# row stays with the GEMV lowering: the kernel there made the bf16 batch-1 step 1.10x slower
+# (likely the Python dispatch of 113 calls per step; not measured apart).
 KERNEL_COLS = 64
 MAX_KERNEL_ROWS = 16
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
