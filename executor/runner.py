@@ -37,7 +37,7 @@ from typing import TextIO
 
 import torch
 
-from executor import logs, memory, numerics, ops, preflight, thp_mode
+from executor import MALLOC_POLICY, logs, memory, numerics, ops, preflight, thp_mode
 from executor.arch import ModelArch
 from executor.backends.base import Backend, CompiledStep, DecodeSpec
 from executor.backends.eager_linear import EagerLinears
@@ -443,6 +443,7 @@ class ModelRunner:
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "libgomp default"),  # see executor/__init__.py
             "omp_reason": os.environ.get("CANN_RECIPES_OMP_REASON", "set outside this project"),
             "thp_alloc": f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}, kernel: {thp_mode()}",
+            "malloc": MALLOC_POLICY,  # freed memory kept for reuse: see executor/__init__.py
             "exe_mode": mc.exe_mode,
             "backend": report.backend,
             "dtype": self.dtype_name,  # resolved (config may say auto)

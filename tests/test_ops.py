@@ -237,6 +237,40 @@ def test_large_tensors_get_huge_pages():
     assert run(THP_MEM_ALLOC_ENABLE="0").startswith("0 ")
 
 
+def test_freed_memory_is_kept_for_the_next_tensor():
+    """Importing executor makes glibc's malloc keep freed blocks (no mmap, no trim below 1 GiB), so
+    a tensor made every decode step (the logits) reuses pages instead of faulting in new ones:
+    a freed 64 MiB tensor stays resident. Settings the user gave glibc, and
+    CANN_RECIPES_MALLOC_DEFAULTS=0, leave malloc alone (then its pages go back to the kernel)."""
+    import os
+    import subprocess
+    import sys
+
+    from executor import MALLOC_POLICY
+
+    if not MALLOC_POLICY.startswith("glibc"):
+        pytest.skip(f"malloc: {MALLOC_POLICY}")
+    code = (
+        "import executor, torch\n"
+        "from executor.memory import process_resident\n"
+        "before = process_resident()\n"
+        "x = torch.ones(1 << 24); del x\n"
+        "kept = process_resident() - before >= 48 << 20\n"
+        "print(executor.MALLOC_POLICY.split(':')[0].split(' (')[0], kept)"
+    )
+    names = ("CANN_RECIPES_MALLOC_DEFAULTS", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_MAX_", "GLIBC_TUNABLES")
+    env = {k: v for k, v in os.environ.items() if k not in names}
+    root = str(Path(__file__).resolve().parent.parent)
+
+    def run(**extra) -> str:
+        out = subprocess.run([sys.executable, "-c", code], env=env | extra, cwd=root, capture_output=True, text=True)
+        return out.stdout.strip() or out.stderr
+
+    assert run().endswith(" True") and run().startswith("glibc")
+    assert run(CANN_RECIPES_MALLOC_DEFAULTS="0") == "system default False"
+    assert run(MALLOC_TRIM_THRESHOLD_="131072") == "left to the user's settings False"
+
+
 def test_openmp_wait_policy_follows_the_host(tmp_path):
     """executor picks the OpenMP wait policy before torch loads (benchmarks/load_bench.py: spinning
     threads made ge_graph decode 60-90x slower next to a busy neighbour, sleeping ones made idle
