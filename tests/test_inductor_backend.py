@@ -15,11 +15,14 @@ import torch
 from executor.backends import packed_linear
 from executor.backends.inductor import (
     INDUCTOR_DECOMPOSE_MAX_DIM,
+    REDUCED_PRECISION_MAX_SLOTS,
+    _attention_matmuls_to_reductions,
     _gemv_to_reduction,
     _store_shared_opaque_inputs,
     _store_shared_trig,
     compile_inductor,
 )
+from executor.ops import reference
 from executor.scope import superkernel_scope
 
 
@@ -179,3 +182,55 @@ def test_rope_cos_and_sin_are_computed_once_per_step_not_once_per_layer(monkeypa
     calls = [name for src in code for name in re.findall(r"^\s+(cpp_fused\w*)\(", src, re.MULTILINE)]
     cos_calls = sum("_cos" in name for name in calls)
     assert cos_calls == (1 if store_once else 4), calls
+
+
+def _attention_args(rows: int, slots: int, dtype: torch.dtype, seed: int = 0) -> tuple:
+    """q (2, 4, rows, 16) against a (2, 2, slots, 16) KV cache whose last 3 slots are masked out."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 4, rows, 16, generator=g).to(dtype)
+    k, v = (torch.randn(2, 2, slots, 16, generator=g).to(dtype) for _ in range(2))
+    mask = torch.zeros(2, 1, rows, slots, dtype=torch.bool)
+    mask[..., slots - 3 :] = True
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize(
+    "rows,slots,dtype,rewritten",
+    [
+        (1, 40, torch.float32, 2),  # decode: q @ k^T and probs @ v
+        (1, 40, torch.bfloat16, 2),
+        (1, REDUCED_PRECISION_MAX_SLOTS + 1, torch.float32, 2),
+        (1, REDUCED_PRECISION_MAX_SLOTS + 1, torch.bfloat16, 0),  # oneDNN's bmm was faster there
+        (9, 40, torch.float32, 0),  # prefill goes to SDPA: no matmul to rewrite
+    ],
+)
+def test_decode_attention_products_become_reductions(rows, slots, dtype, rewritten):
+    """The decode attention's two batched products become generated reductions (each was an
+    extern bmm call over B x Hkv tiny products), except in bf16 over many cache slots; the rows
+    each product reads are stored first, so the roped query is not recomputed per slot."""
+    args = _attention_args(rows, slots, dtype)
+    gm = _trace(lambda q, k, v, m: reference.attention(q, k, v, m, 0.25), *args)
+    assert _attention_matmuls_to_reductions(gm) == rewritten
+    assert sum(n.target is torch.matmul for n in gm.graph.nodes) == (2 - rewritten if rows == 1 else 0)
+    force = torch.ops.prims.inductor_force_stride_order.default
+    assert sum(n.target is force for n in gm.graph.nodes) == rewritten
+
+
+@pytest.mark.parametrize("superkernel", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_compiles_to_the_same_result_without_bmm(superkernel, dtype):
+    from torch._inductor.utils import run_and_get_code
+
+    q, k, v, mask = _attention_args(1, 40, dtype, seed=1)
+
+    def step(q, _positions):
+        with superkernel_scope(superkernel, "attn", ""):
+            return reference.attention(q * 1.5, k, v, mask, 0.25)  # q made in the graph, like RoPE's
+
+    want = reference.attention(q.double() * 1.5, k.double(), v.double(), mask, 0.25)
+    with torch.no_grad():
+        compiled = compile_inductor(step, superkernel, "cpu")
+        got, code = run_and_get_code(lambda: compiled(q, None))
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(got.double(), want, **tol)
+    assert not any("bmm" in src for src in code)

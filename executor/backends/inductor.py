@@ -113,12 +113,64 @@ def _gemv_to_reduction(gm: torch.fx.GraphModule, decomposes_small: bool = False)
     return rewritten
 
 
+ATTENTION_MAX_ROWS = 16  # query rows per KV head in decode: Hq / Hkv query heads x 1 token
+REDUCED_PRECISION_MAX_SLOTS = 256  # bf16/fp16 products over more cache slots stay BLAS bmm calls
+
+
+def _attention_matmuls_to_reductions(gm: torch.fx.GraphModule) -> int:
+    """Rewrite the decode attention's two products, `matmul(a, b)` of activations whose `a` has
+    at most ATTENTION_MAX_ROWS rows (the query heads sharing a KV head), as
+    sum(a[..., :, :, None] * b[..., None, :, :], -2): one generated reduction each, fused with
+    the scale, mask and softmax around it.
+
+    Why: as matmuls they became one extern `bmm` each, and at decode shapes a bmm is a batch of
+    B x Hkv tiny products whose per-call cost dominates (0.6B shape, 33 cache slots, one layer's
+    attention compiled: bf16 86-188 -> 35 us at batch 1, 223 -> 169 us at batch 16, 575-844 ->
+    475-525 us at batch 64; fp32 1272 -> 769 us at batch 64; BENCHMARKS.md "eleventh pass").
+    In fp32 the reductions were as fast or faster at every size measured (2048 slots: 2x). In
+    bf16 they lost to oneDNN's bmm once the slots are many (2048 slots at batch 1: 1.35x slower),
+    so reduced-precision products are rewritten only up to REDUCED_PRECISION_MAX_SLOTS slots
+    (the static cache length, known when the graph is compiled). Inductor keeps the products and
+    the sum in fp32 inside the kernel, as the bmm accumulates. Any product of activations with
+    that few rows qualifies; in the recipes' decode graphs those are the attention's. Returns how
+    many were rewritten.
+    """
+    import torch._inductor.inductor_prims  # registers prims.inductor_force_stride_order
+
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.matmul or len(node.args) != 2:
+            continue
+        a, b = (x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None for x in node.args)
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() < 3 or a.dim() != b.dim():
+            continue
+        if a.shape[-2] > ATTENTION_MAX_ROWS:
+            continue
+        if a.dtype != torch.float32 and max(a.shape[-1], b.shape[-1]) > REDUCED_PRECISION_MAX_SLOTS:
+            continue
+        with gm.graph.inserting_before(node):
+            # Store the rows first (the roped query, the softmax): inlined, they were recomputed
+            # for every cache slot (0.6B shape, batch 64: 1.09 ms per layer, against 0.86 for bmm).
+            force = torch.ops.prims.inductor_force_stride_order.default
+            rows = gm.graph.call_function(force, (node.args[0], tuple(a.stride())))
+            rows = gm.graph.call_method("unsqueeze", (rows, -1))  # (..., M, K, 1)
+            cols = gm.graph.call_method("unsqueeze", (node.args[1], -3))  # (..., 1, K, N)
+            out = gm.graph.call_method("sum", (gm.graph.call_function(operator.mul, (rows, cols)), -2))
+        node.replace_all_uses_with(out)
+        gm.graph.erase_node(node)
+        rewritten += 1
+    if rewritten:
+        gm.recompile()
+    return rewritten
+
+
 def _lower_cpu_gemms(gm: torch.fx.GraphModule, decomposes_small: bool) -> None:
     """The decode GEMMs' CPU lowerings, before Inductor: large single-row ones become generated
     reductions, batched ones calls on weights packed once (oneDNN, or this project's kernel:
-    executor.backends.packed_linear)."""
+    executor.backends.packed_linear), the attention's small batched products reductions."""
     _gemv_to_reduction(gm, decomposes_small)
     pack_batched_linears(gm)
+    _attention_matmuls_to_reductions(gm)
 
 
 def _opaque(node: torch.fx.Node) -> bool:
