@@ -161,13 +161,13 @@ def test_qwen3_moe_with_the_custom_op_matches_hf_in_its_moe_plans(moe_ckpt, plan
 def test_the_mask_is_computed_once_per_step_not_once_per_layer(make_qwen_runner, qwen3_ckpt, monkeypatch, store_once):
     """The decode mask (B, 1, 1, max_len) feeds every layer's op. Left to Inductor, each layer's
     kernel computed it again into its own buffer (a step that grew with max_len although the op
-    reads only the valid slots); executor.backends.inductor stores it once."""
+    reads only the valid slots); executor.backends.graph_passes stores it once."""
     from torch._inductor.utils import run_and_get_code
 
-    import executor.backends.inductor as inductor
+    import executor.backends.graph_passes as passes
 
     if not store_once:
-        monkeypatch.setattr(inductor, "_store_shared_opaque_inputs", lambda gm: 0)
+        monkeypatch.setattr(passes, "_store_shared_opaque_inputs", lambda gm: 0)
     runner = make_qwen_runner(
         qwen3_ckpt, *CUSTOM_OPS, "model_config.exe_mode=ge_graph", "model_config.enable_cache_compile=false"
     )

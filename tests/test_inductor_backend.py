@@ -1,9 +1,10 @@
-"""The CPU graph mode's lowerings of large decode GEMMs (executor.backends.inductor and
+"""The graph passes the CPU graph mode runs before Inductor (executor.backends.graph_passes and
 executor.backends.packed_linear): single-row GEMVs become generated reductions, batched ones
-oneDNN calls on weights packed once.
+oneDNN (or kernel) calls on weights packed once, the decode attention's small products
+reductions, and values several kernels read are stored once.
 
-The tiny test models never reach the size where either rewrite applies, so this checks them
-directly: which linears they take, and that compiled code computes the same thing, with and
+The tiny test models never reach the size where the GEMM rewrites apply, so this checks them
+directly: which nodes they take, and that compiled code computes the same thing, with and
 without a SuperKernel scope around it.
 """
 
@@ -13,15 +14,15 @@ import pytest
 import torch
 
 from executor.backends import packed_linear
-from executor.backends.inductor import (
+from executor.backends.graph_passes import (
     INDUCTOR_DECOMPOSE_MAX_DIM,
     REDUCED_PRECISION_MAX_SLOTS,
     _attention_matmuls_to_reductions,
     _gemv_to_reduction,
     _store_shared_opaque_inputs,
     _store_shared_trig,
-    compile_inductor,
 )
+from executor.backends.inductor import compile_inductor
 from executor.ops import reference
 from executor.scope import superkernel_scope
 
@@ -168,12 +169,12 @@ def test_rope_cos_and_sin_are_computed_once_per_step_not_once_per_layer(monkeypa
     (each layer's rotation); the backend stores the shared values once."""
     from torch._inductor.utils import run_and_get_code
 
-    import executor.backends.inductor as inductor
+    import executor.backends.graph_passes as passes
 
     args = (torch.randn(8, 2, 1, 64), torch.arange(8).view(8, 1) * 3)
     assert _store_shared_trig(_trace(_rope_step, *args)) == 2  # the cast of cos, the cast of sin
     if not store_once:
-        monkeypatch.setattr(inductor, "_store_shared_trig", lambda gm: 0)
+        monkeypatch.setattr(passes, "_store_shared_trig", lambda gm: 0)
     with torch.no_grad():
         compiled = compile_inductor(_rope_step, False, "cpu")
         out, code = run_and_get_code(lambda: compiled(*args))

@@ -2,7 +2,8 @@
 
 ge_graph: the whole decode step is captured once (`fullgraph=True, dynamic=False`) and
 compiled by Inductor; every graph compiled is counted so recompiles show up in metrics. On CPU
-large decode GEMVs become generated reductions (_gemv_to_reduction), with or without scopes.
+large decode GEMVs become generated reductions (executor.backends.graph_passes), with or
+without scopes.
 
 SuperKernel: the scope markers (executor.scope) arrive in the FX graph. We split the graph at
 them and compile each scope segment as ONE launch unit: on CPU with Inductor's C++ wrapper
@@ -27,7 +28,6 @@ CUDA a collective is captured into the scope's CUDA graph with the rest (NCCL su
 from __future__ import annotations
 
 import inspect
-import operator
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -48,7 +48,7 @@ from executor.backends.base import (
     cache_root,
     keyed_cache_dir,
 )
-from executor.backends.packed_linear import MIN_WEIGHT_NUMEL, pack_batched_linears
+from executor.backends.graph_passes import before_inductor
 from executor.errors import RecipeError
 from executor.scope import SCOPE_ENTER, SCOPE_EXIT, parse_options
 
@@ -61,200 +61,6 @@ _MARKERS = (SCOPE_ENTER, SCOPE_EXIT, torch.ops.sk.scope_enter, torch.ops.sk.scop
 # call each (~10 us of call overhead apiece at these sizes). Outside scopes Inductor keeps its
 # Python wrapper and its BLAS calls for small GEMMs. Measured effect: BENCHMARKS.md.
 CPU_LAUNCH_UNIT = {"cpp_wrapper": True, "post_grad_fusion_options": {"decompose_mm_pass": {}}}
-INDUCTOR_DECOMPOSE_MAX_DIM = 2048  # Inductor's decompose_mm_pass only takes M=1 GEMMs with K, N <= this
-
-
-def _gemv_to_reduction(gm: torch.fx.GraphModule, decomposes_small: bool = False) -> int:
-    """Rewrite `linear(x, W, b)` with a single row of x (decode, batch 1) as sum(x * W, -1) + b.
-
-    Why: a decode step on CPU is a stream over the weights, and for large GEMVs (e.g. a 622 MB
-    lm_head) MKL's sgemv streamed them at ~17 GB/s on the 2-core reference machine against ~35
-    GB/s for the vectorised reduction Inductor generates from this form. Applied to every
-    compiled CPU decode graph (ge_graph with or without SuperKernel). Where Inductor's own M=1
-    decomposition runs (`decomposes_small`: a SuperKernel launch unit) it keeps the GEMVs it
-    takes (K, N <= 2048); elsewhere those stay extern sgemv calls, so every GEMV of at least
-    MIN_WEIGHT_NUMEL elements is rewritten there (the 0.6B shape's o_proj, 2048 x 1024: plain
-    ge_graph left its 28 to sgemv, a lowering difference SK decoder was credited with). The
-    input row is materialised first (Inductor's force_stride_order copy): left to Inductor, the
-    norm before a projection was recomputed inside the reduction per weight row, which made the
-    bf16 0.6B-shape step compute-bound (SK decoder 63 -> 37 ms/step once stored; BENCHMARKS.md).
-    Returns how many linears were rewritten.
-    """
-    # Importing it registers prims.inductor_force_stride_order.
-    import torch._inductor.inductor_prims
-
-    rewritten = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not torch._C._nn.linear:
-            continue
-        x, w = node.args[0], node.args[1]
-        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-        value = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
-        weight = w.meta.get("example_value") if isinstance(w, torch.fx.Node) else None
-        if not isinstance(value, torch.Tensor) or value.numel() != value.shape[-1] or weight is None:
-            continue
-        small = max(weight.shape) <= INDUCTOR_DECOMPOSE_MAX_DIM
-        if small and (decomposes_small or weight.numel() < MIN_WEIGHT_NUMEL):
-            continue  # Inductor's decomposition does these better; small ones sit in cache anyway
-        with gm.graph.inserting_before(node):
-            # Store the input row before the reduction reads it: otherwise Inductor inlines the
-            # pointwise chain that made it (the residual add and RMSNorm) into the reduction's
-            # body and recomputes it for every one of the N output rows.
-            force = torch.ops.prims.inductor_force_stride_order.default
-            x = gm.graph.call_function(force, (x, tuple(value.stride())))
-            row = gm.graph.call_method("unsqueeze", (x, -2))  # (..., 1, K)
-            out = gm.graph.call_method("sum", (gm.graph.call_function(operator.mul, (row, w)), -1))  # (..., N)
-            if bias is not None:
-                out = gm.graph.call_function(operator.add, (out, bias))
-        node.replace_all_uses_with(out)
-        gm.graph.erase_node(node)
-        rewritten += 1
-    gm.recompile()
-    return rewritten
-
-
-ATTENTION_MAX_ROWS = 16  # query rows per KV head in decode: Hq / Hkv query heads x 1 token
-REDUCED_PRECISION_MAX_SLOTS = 256  # bf16/fp16 products over more cache slots stay BLAS bmm calls
-
-
-def _attention_matmuls_to_reductions(gm: torch.fx.GraphModule) -> int:
-    """Rewrite the decode attention's two products, `matmul(a, b)` of activations whose `a` has
-    at most ATTENTION_MAX_ROWS rows (the query heads sharing a KV head), as
-    sum(a[..., :, :, None] * b[..., None, :, :], -2): one generated reduction each, fused with
-    the scale, mask and softmax around it.
-
-    Why: as matmuls they became one extern `bmm` each, and at decode shapes a bmm is a batch of
-    B x Hkv tiny products whose per-call cost dominates (0.6B shape, 33 cache slots, one layer's
-    attention compiled: bf16 86-188 -> 35 us at batch 1, 223 -> 169 us at batch 16, 575-844 ->
-    475-525 us at batch 64; fp32 1272 -> 769 us at batch 64; BENCHMARKS.md "eleventh pass").
-    In fp32 the reductions were as fast or faster at every size measured (2048 slots: 2x). In
-    bf16 they lost to oneDNN's bmm once the slots are many (2048 slots at batch 1: 1.35x slower),
-    so reduced-precision products are rewritten only up to REDUCED_PRECISION_MAX_SLOTS slots
-    (the static cache length, known when the graph is compiled). Inductor keeps the products and
-    the sum in fp32 inside the kernel, as the bmm accumulates. Any product of activations with
-    that few rows qualifies; in the recipes' decode graphs those are the attention's. Returns how
-    many were rewritten.
-    """
-    import torch._inductor.inductor_prims  # registers prims.inductor_force_stride_order
-
-    rewritten = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not torch.matmul or len(node.args) != 2:
-            continue
-        a, b = (x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None for x in node.args)
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() < 3 or a.dim() != b.dim():
-            continue
-        if a.shape[-2] > ATTENTION_MAX_ROWS:
-            continue
-        if a.dtype != torch.float32 and max(a.shape[-1], b.shape[-1]) > REDUCED_PRECISION_MAX_SLOTS:
-            continue
-        with gm.graph.inserting_before(node):
-            # Store the rows first (the roped query, the softmax): inlined, they were recomputed
-            # for every cache slot (0.6B shape, batch 64: 1.09 ms per layer, against 0.86 for bmm).
-            force = torch.ops.prims.inductor_force_stride_order.default
-            rows = gm.graph.call_function(force, (node.args[0], tuple(a.stride())))
-            rows = gm.graph.call_method("unsqueeze", (rows, -1))  # (..., M, K, 1)
-            cols = gm.graph.call_method("unsqueeze", (node.args[1], -3))  # (..., 1, K, N)
-            out = gm.graph.call_method("sum", (gm.graph.call_function(operator.mul, (rows, cols)), -2))
-        node.replace_all_uses_with(out)
-        gm.graph.erase_node(node)
-        rewritten += 1
-    if rewritten:
-        gm.recompile()
-    return rewritten
-
-
-def _lower_cpu_gemms(gm: torch.fx.GraphModule, decomposes_small: bool) -> None:
-    """The decode GEMMs' CPU lowerings, before Inductor: large single-row ones become generated
-    reductions, batched ones calls on weights packed once (oneDNN, or this project's kernel:
-    executor.backends.packed_linear), the attention's small batched products reductions."""
-    _gemv_to_reduction(gm, decomposes_small)
-    pack_batched_linears(gm)
-    _attention_matmuls_to_reductions(gm)
-
-
-def _opaque(node: torch.fx.Node) -> bool:
-    """A call Inductor cannot look into (a custom op: it runs as an extern kernel)."""
-    target = node.target
-    if node.op != "call_function":
-        return False
-    if isinstance(target, torch._ops.OpOverloadPacket):  # what Dynamo records for `torch.ops.ns.op(...)`
-        target = getattr(target, target.overloads()[0])
-    return isinstance(target, torch._ops.OpOverload) and target.namespace not in ("aten", "prims", "sk")
-
-
-def _store_once(gm: torch.fx.GraphModule, node: torch.fx.Node, users: list[torch.fx.Node]) -> None:
-    """Make `users` read `node`'s value from one stored buffer (Inductor's force_stride_order
-    copy) instead of each inlining the pointwise chain that made it."""
-    import torch._inductor.inductor_prims  # registers prims.inductor_force_stride_order
-
-    stride = tuple(node.meta["example_value"].stride())
-    with gm.graph.inserting_after(node):
-        once = gm.graph.call_function(torch.ops.prims.inductor_force_stride_order.default, (node, stride))
-    for user in users:
-        user.replace_input_with(node, once)
-
-
-def _store_shared_opaque_inputs(gm: torch.fx.GraphModule) -> int:
-    """Store once a computed tensor that several custom-op calls read.
-
-    Why: Inductor inlines a cheap pointwise value into each consumer, and an extern consumer
-    needs it stored, so each one got its own copy computed again. The decode mask (B, 1, 1,
-    max_len) feeds every layer's `cann::decode_attention`: recomputed per layer it cost ~0.7 ms
-    per step at 16k slots on the bench-overhead model (8 layers; a bool store per slot), i.e. a
-    step that grew with max_len although the op reads only the valid slots. Returns how many
-    values are now stored once."""
-    stored = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or not isinstance(node.meta.get("example_value"), torch.Tensor):
-            continue
-        users = [u for u in node.users if _opaque(u)]
-        if len(users) < 2:
-            continue
-        _store_once(gm, node, users)
-        stored += 1
-    if stored:
-        gm.recompile()
-    return stored
-
-
-_TRIG = {torch.cos, torch.sin, "cos", "sin", torch.ops.aten.cos.default, torch.ops.aten.sin.default}
-
-
-def _store_shared_trig(gm: torch.fx.GraphModule) -> int:
-    """Store once a cos / sin value (or what it becomes: a cast, a view) that several nodes read.
-
-    Why: Inductor recomputes a pointwise value in every kernel that reads it unless it judges the
-    value costly, and on CPU it counts exp, log, sigmoid and tanh as costly but not cos, sin or
-    pow. The RoPE cos/sin of a decode step (B, 1, 1, head_dim), computed once by the model, are
-    read by the q and k rotation of every layer, so each layer's kernel computed pow, cos and
-    sin again for every head. That layer kernel took 0.56 ms, and 0.17 ms with the values stored
-    once, at the 0.6B shape in bf16, batch 64 (BENCHMARKS.md, "tenth pass"). Stored once, a read
-    is a load; the stored value is also the one eager mode uses (rounded to the model dtype
-    before the multiply). Returns how many values are now stored once."""
-    stored = 0
-    for node in list(gm.graph.nodes):
-        if node.op not in ("call_function", "call_method") or node.target not in _TRIG:
-            continue
-        shared = node
-        while len(shared.users) == 1:  # through the cast / unsqueeze to the value that fans out
-            shared = next(iter(shared.users))
-        if len(shared.users) < 2 or not isinstance(shared.meta.get("example_value"), torch.Tensor):
-            continue
-        _store_once(gm, shared, list(shared.users))
-        stored += 1
-    if stored:
-        gm.recompile()
-    return stored
-
-
-def _before_inductor(gm: torch.fx.GraphModule, device: str, launch_unit: bool = False) -> None:
-    """The graph passes every compiled decode graph (or SuperKernel segment) gets; `launch_unit`:
-    compiled as one SuperKernel launch unit (CPU_LAUNCH_UNIT)."""
-    _store_shared_opaque_inputs(gm)
-    _store_shared_trig(gm)
-    if device == "cpu":
-        _lower_cpu_gemms(gm, decomposes_small=launch_unit)
 
 
 class ScopeCheckError(RecipeError):
@@ -368,7 +174,7 @@ class _Segment(torch.nn.Module):
             # CPU launch unit = the C++ wrapper; CUDA launch unit = one CUDA graph (captured by us:
             # Inductor's own cudagraphs silently skip graphs that mutate inputs, like the KV cache).
             patch = CPU_LAUNCH_UNIT if self.fused and self.device == "cpu" else {}
-            _before_inductor(self.gm, self.device, launch_unit=self.fused)
+            before_inductor(self.gm, self.device, launch_unit=self.fused)
             with inductor_config.patch(patch):
                 self.fn = compile_fx(self.gm, _fake_inputs(args))
             if self.fused and self.device == "cuda":
@@ -416,7 +222,7 @@ class GraphCompiler:
         if not self.superkernel:
             from torch._inductor.compile_fx import compile_fx
 
-            _before_inductor(gm, self.device)
+            before_inductor(gm, self.device)
             return compile_fx(gm, example_inputs)
         return self._split(gm)
 
