@@ -1,0 +1,111 @@
+"""The bf16 causal attention of the eager prefill on CPU runs cann_cpu::causal_attention
+(executor.backends.eager_attention, csrc/causal_attention.cpp).
+
+The kernel is checked against fp64 attention (what it computes, at higher precision) with SDPA's
+own bf16 error on the same inputs as the yardstick; the runner's bf16 prefill against
+transformers in fp32 on the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tests.checkpoints as ckpt
+from executor.backends import eager_attention
+from executor.backends.eager_attention import CausalAttentionMode, qualifies
+from tests.test_qwen_dense import PROMPT, hf_logits
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not eager_attention.kernel_runs():
+        pytest.skip("this CPU has no AVX512-BF16 (or no compiler to build the kernel)")
+
+
+def reference(q, k, v, scale=None):
+    """Causal GQA attention in fp64, each query head against its group's KV head."""
+    return F.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), is_causal=True, scale=scale, enable_gqa=True
+    )
+
+
+def inputs(b, hq, hkv, s, d, seed=0):
+    """q as the model makes it (a transposed (B, S, H, D) view); k, v a slice of a longer cache."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, s, hq, d, generator=g).bfloat16().transpose(1, 2)
+    cache = torch.randn(2, b, hkv, s + 40, d, generator=g).bfloat16()
+    return q, cache[0, :, :, :s], cache[1, :, :, :s]
+
+
+@pytest.mark.parametrize(
+    "b,hq,hkv,s,d",
+    [
+        (1, 16, 8, 300, 128),  # the 0.6B shape's heads, blocks of keys past one 256-key block
+        (2, 4, 4, 70, 64),  # two prompts, no grouping, a part of a 64-key tile
+        (1, 14, 2, 257, 64),  # seven heads per KV head (Qwen2-0.5B), one key past a block
+        (1, 2, 1, 1, 64),  # a single token
+    ],
+)
+def test_kernel_matches_fp64_attention_as_closely_as_sdpa(kernel, b, hq, hkv, s, d):
+    q, k, v = inputs(b, hq, hkv, s, d)
+    want = reference(q, k, v)
+    got = torch.ops.cann_cpu.causal_attention(q, k, v, d**-0.5)
+    sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert got.shape == (b, hq, s, d) and got.dtype == torch.bfloat16
+    err, sdpa_err = (got.double() - want).abs(), (sdpa.double() - want).abs()
+    assert err.max() <= 1.5 * sdpa_err.max() + 1e-3
+    assert err.mean() <= 1.5 * sdpa_err.mean() + 1e-5
+
+
+def test_the_scale_and_the_causal_mask_are_applied(kernel):
+    q, k, v = inputs(1, 4, 2, 96, 64, seed=1)
+    got = torch.ops.cann_cpu.causal_attention(q, k, v, 0.3).double()
+    assert (got - reference(q, k, v, scale=0.3)).abs().max() < 0.02
+    # The first query sees only the first key: its output is that key's value row.
+    torch.testing.assert_close(got[:, :, 0], v[:, :, :1].repeat_interleave(2, 1)[:, :, 0].double(), rtol=0, atol=0)
+
+
+def test_only_plain_causal_bf16_calls_qualify():
+    q, k, v = inputs(1, 4, 2, 16, 64)
+    assert qualifies(q, k, v, None, 0.0, True)
+    assert not qualifies(q, k, v, None, 0.0, False)  # not causal
+    assert not qualifies(q, k, v, torch.ones(16, 16, dtype=torch.bool), 0.0, True)  # a mask
+    assert not qualifies(q.float(), k.float(), v.float(), None, 0.0, True)  # fp32 stays with SDPA
+    assert not qualifies(q[..., :48], k[..., :48], v[..., :48], None, 0.0, True)  # head_dim not a multiple of 64
+    assert not qualifies(q[:, :, :8], k, v, None, 0.0, True)  # fewer queries than keys (a later chunk)
+    assert not qualifies(q, k, v, None, 0.1, True)  # dropout
+    assert not qualifies(q[:, :3], k, v, None, 0.0, True)  # heads not a multiple of the KV heads
+    with torch.enable_grad():
+        assert not qualifies(q.detach().requires_grad_(), k, v, None, 0.0, True)
+
+
+def test_the_mode_sends_qualifying_sdpa_calls_to_the_kernel(kernel):
+    q, k, v = inputs(1, 4, 2, 40, 64)
+    with torch.no_grad(), CausalAttentionMode() as mode:
+        got = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
+        F.scaled_dot_product_attention(q[:, :2], k, v, is_causal=True)  # same head counts: plain SDPA semantics
+        F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), None, 0.0, True)
+    assert mode.calls == 3  # the fp32 call went to SDPA
+    torch.testing.assert_close(got, torch.ops.cann_cpu.causal_attention(q, k, v, 64**-0.5), rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def wide_heads_ckpt(tmp_path_factory):
+    """Qwen3 with head_dim 64 (the tiny checkpoints' 32 is not a whole tile of the kernel)."""
+    return ckpt.make_qwen3_checkpoint(tmp_path_factory.mktemp("heads64") / "qwen3", head_dim=64, init_std=0.05)
+
+
+def test_bf16_prefill_runs_the_kernel_and_matches_hf(kernel, wide_heads_ckpt, make_qwen_runner):
+    runner = make_qwen_runner(wide_heads_ckpt, "model_config.dtype=bfloat16")
+    gen = runner.generate([PROMPT], 2)
+    assert runner.prefill_attention.to_metrics() == {"kernel": eager_attention.KERNEL, "kernel_calls": 2}
+    want = hf_logits(ckpt.load_reference(wide_heads_ckpt), PROMPT)[-1]
+    got = gen.first_logits[0].float()
+    assert F.cosine_similarity(got, want, dim=0) > 0.99
+
+    fp32 = make_qwen_runner(wide_heads_ckpt)
+    fp32.generate([PROMPT], 2)
+    assert fp32.prefill_attention.to_metrics() == {"kernel": "sdpa", "kernel_calls": 0}
