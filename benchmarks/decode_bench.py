@@ -14,7 +14,11 @@ The read bandwidth is measured again right before and right after each mode's ti
 that mode's roofline uses the mean of the two (column "read GB/s"): the reference VM's bandwidth
 moved by 1.5x within minutes, so one reading at the start made later modes look better or worse
 than they were. A mode whose two readings differ by more than 15% is flagged: the machine changed
-speed while it ran, so its ratio is no verdict.
+speed while it ran, so its ratio is no verdict. Each reading is the median of 7 full reductions,
+as the step time is the median of the steps: the VM's bandwidth comes in bursts of a few
+seconds, and a best-of-7 reading caught one (18.5 ms where its median was 34.3, for the 0.6B
+weights' bytes) while the steps around it ran at the slow rate, so ratios against it measured
+the VM, not the step (BENCHMARKS.md, "twelfth pass"). The machine line prints the best as well.
 
 bytes = weights (MoE: the router and the experts a batch is expected to touch) + the KV cache
 that is valid at the timed positions; FLOPs = 2 x parameters used per token x batch + attention.
@@ -97,14 +101,22 @@ def make_checkpoint(cfg: dict, path: Path, seed: int) -> None:
 
 
 def read_bandwidth_gbs(platform: Platform, nbytes: int = 1 << 29) -> float:
-    """Read bandwidth in GB/s, best of 7 full reductions over a tensor far larger than the caches
-    (~0.3 s for the default 512 MiB at ~30 GB/s): cheap enough to take next to every mode."""
+    """Read bandwidth in GB/s: the median of 7 full reductions over a tensor far larger than the
+    caches (~0.3 s for the default 512 MiB at ~30 GB/s), cheap enough to take next to every mode;
+    the median, the statistic the step times use (module docstring)."""
+    return _read_gbs(platform, nbytes)[0]
+
+
+def _read_gbs(platform: Platform, nbytes: int) -> tuple[float, float]:
+    """(median, best) read bandwidth in GB/s over 7 full reductions."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=platform.kind).uniform_()
-    return nbytes / _best(platform, src.sum, 7) / 1e9
+    times = _times(platform, src.sum, 7)
+    return nbytes / statistics.median(times) / 1e9, nbytes / min(times) / 1e9
 
 
-def memory_bandwidth_gbs(platform: Platform, nbytes: int = 1 << 29) -> tuple[float, float]:
-    """(read, copy) bandwidth in GB/s, best of 7, on a tensor far larger than the caches.
+def memory_bandwidth_gbs(platform: Platform, nbytes: int = 1 << 29) -> tuple[float, float, float]:
+    """(read, best read, copy) bandwidth in GB/s on a tensor far larger than the caches; read is
+    the median of 7 (read_bandwidth_gbs), the others the best of 7.
 
     read: a full reduction over the tensor, the traffic pattern of a decode step (weights are
     only read). copy: bytes copied per second (dst.copy_(src)). A decode step cannot beat
@@ -113,11 +125,12 @@ def memory_bandwidth_gbs(platform: Platform, nbytes: int = 1 << 29) -> tuple[flo
     """
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=platform.kind).uniform_()
     dst = torch.empty_like(src)
-    return read_bandwidth_gbs(platform, nbytes), nbytes / _best(platform, lambda: dst.copy_(src), 7) / 1e9
+    copy = nbytes / _best(platform, lambda: dst.copy_(src), 7) / 1e9
+    return (*_read_gbs(platform, nbytes), copy)
 
 
-def _best(platform: Platform, fn, runs: int) -> float:
-    """Shortest of `runs` timed calls after one warm-up, waiting for the device around each."""
+def _times(platform: Platform, fn, runs: int) -> list[float]:
+    """`runs` timed calls after one warm-up, waiting for the device around each."""
     now = timer(platform)
     fn()
     times = []
@@ -125,7 +138,12 @@ def _best(platform: Platform, fn, runs: int) -> float:
         t0 = now()
         fn()
         times.append(now() - t0)
-    return min(times)
+    return times
+
+
+def _best(platform: Platform, fn, runs: int) -> float:
+    """Shortest of `runs` timed calls after one warm-up."""
+    return min(_times(platform, fn, runs))
 
 
 def matmul_tflops(platform: Platform, dtype: torch.dtype, n: int = 1536) -> float:
@@ -335,11 +353,11 @@ def main(argv=None) -> int:
         f"{platform.describe()}, torch {torch.__version__}, {torch.get_num_threads()} threads",
         flush=True,
     )
-    read_bw, copy_bw = memory_bandwidth_gbs(platform)
+    read_bw, best_bw, copy_bw = memory_bandwidth_gbs(platform)
     tflops = matmul_tflops(platform, dtype)
     print(
-        f"# machine: read bandwidth {read_bw:.1f} GB/s (copy {copy_bw:.1f} GB/s), {args.dtype} matmul "
-        f"{tflops:.2f} TFLOP/s",
+        f"# machine: read bandwidth {read_bw:.1f} GB/s (median of 7; best {best_bw:.1f}, copy {copy_bw:.1f} GB/s), "
+        f"{args.dtype} matmul {tflops:.2f} TFLOP/s",
         flush=True,
     )
     plans = _plans(args, arch)

@@ -119,7 +119,10 @@ def main(argv=None) -> int:
         flush=True,
     )
     read_bw, tflops = memory_bandwidth_gbs(platform)[0], matmul_tflops(platform, dtype)
-    print(f"# machine: read bandwidth {read_bw:.1f} GB/s, {args.dtype} matmul {tflops:.2f} TFLOP/s", flush=True)
+    print(
+        f"# machine: read bandwidth {read_bw:.1f} GB/s (median of 7), {args.dtype} matmul {tflops:.2f} TFLOP/s",
+        flush=True,
+    )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "ckpt"
