@@ -47,7 +47,12 @@ def select_backend(spec: DecodeSpec, platform: Platform) -> Backend:
 
         return npu.select_backend(spec)
     if mc.exe_mode == "eager":
-        return EagerBackend(custom_ops.layer("reference", mc.custom_ops, custom_ops.installer(platform.kind)))
+        table = custom_ops.layer("reference", mc.custom_ops, custom_ops.installer(platform.kind))
+        if platform.kind != "cpu":
+            return EagerBackend(table)
+        from executor.backends.eager_linear import eager_step  # few-row linears on a kernel of ours
+
+        return EagerBackend(table, eager_step)
     if mc.exe_mode == "npugraph_ex":
         raise UnsupportedError(
             f"exe_mode npugraph_ex needs an Ascend NPU with torch_npu; this machine is "

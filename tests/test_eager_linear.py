@@ -1,8 +1,10 @@
-"""The eager prefill's fp32 linears on CPU go through oneDNN (executor.backends.eager_linear).
+"""Large linears that run eagerly on CPU (executor.backends.eager_linear): fp32 GEMMs go through
+oneDNN, products of 1-4 rows in bf16 and fp32 through the `cann_cpu::gemv` kernel.
 
 The tiny test models' weights are below the size where the switch applies, so a checkpoint with
 one large projection is built here; against transformers (aten's sgemm) the prefill logits and the
-greedy tokens must stay what the other parity tests demand.
+greedy tokens of the eager decode (its step runs the kernel) must stay what the other parity tests
+demand.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 import tests.checkpoints as ckpt
-from executor.backends import packed_linear
-from executor.backends.eager_linear import OneDNNLinears
+from executor.backends import eager_linear, packed_linear
+from executor.backends.eager_linear import LinearKernels
 from tests.test_qwen_dense import PROMPT, assert_close_logits, hf_logits
 
 pytestmark = pytest.mark.skipif(not packed_linear.supported(torch.float32), reason="torch built without oneDNN")
@@ -28,23 +30,43 @@ def test_qualifying_linears_run_through_onednn_with_the_same_result():
     x = torch.randn(2, 5, 256)
     with torch.no_grad():
         want_big, want_small = F.linear(x, big.weight, big.bias), small(x)
-        with OneDNNLinears() as mode:
+        with LinearKernels() as mode:
             got_big, got_small = big(x), small(x)
-    assert mode.calls == 1  # the small weight stays with aten
+    assert (mode.onednn_calls, mode.gemv_calls) == (1, 0)  # 10 rows; the small weight stays with aten
     assert got_big.shape == (2, 5, LARGE)
     torch.testing.assert_close(got_big, want_big, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_small, want_small, rtol=0, atol=0)
 
 
-def test_bf16_and_autograd_stay_with_aten():
+def test_many_bf16_rows_and_autograd_stay_with_aten():
     big = torch.nn.Linear(256, LARGE)
     x = torch.randn(4, 256, requires_grad=True)
-    with OneDNNLinears() as mode:
+    with LinearKernels() as mode:
         big(x).sum().backward()  # an op with a graph to record is left to aten
         with torch.no_grad():
-            big.to(torch.bfloat16)(x.detach().bfloat16())  # aten already calls oneDNN for bf16
-    assert mode.calls == 0
+            big.to(torch.bfloat16)(x.detach().bfloat16().repeat(2, 1))  # 8 rows: aten calls oneDNN for bf16
+    assert (mode.onednn_calls, mode.gemv_calls) == (0, 0)
     assert x.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", [(1, 1, 250), (4, 250), (1, 3, 250)])
+def test_one_to_four_rows_run_the_gemv_kernel(dtype, shape):
+    if not eager_linear.gemv_runs(dtype):
+        pytest.skip(f"no AVX-512{'-BF16' if dtype == torch.bfloat16 else ''} here, or no compiler for the kernel")
+    torch.manual_seed(0)
+    big = torch.nn.Linear(250, 2 * LARGE).to(dtype)  # K = 250: a masked tail in both dtypes
+    x = torch.randn(shape).to(dtype)
+    want = F.linear(x.double(), big.weight.double(), big.bias.double())
+    with torch.no_grad():
+        aten = F.linear(x, big.weight, big.bias)
+        with LinearKernels() as mode:
+            got = big(x)
+            F.linear(x, big.weight.t().contiguous().t(), big.bias)  # columns contiguous: not the kernel's layout
+    assert mode.gemv_calls == 1
+    assert got.shape == (*shape[:-1], 2 * LARGE) and got.dtype == dtype
+    err, aten_err = (got.double() - want).abs().max(), (aten.double() - want).abs().max()
+    assert err <= 1.5 * aten_err + (1e-6 if dtype == torch.float32 else 1e-3)
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +84,23 @@ def test_prefill_uses_onednn_and_matches_hf(wide_ckpt, make_qwen_runner):
     gen = runner.generate([PROMPT], 8)
     assert gen.token_ids == [expected]
     assert_close_logits(gen.first_logits[0], hf_logits(ref, PROMPT)[-1])
-    assert runner.prefill_linears.to_metrics() == {"kernel": "onednn", "onednn_calls": 2}  # one per layer
+    assert runner.prefill_linears.to_metrics() == {"kernel": "onednn", "onednn_calls": 2, "gemv_calls": 0}
 
 
-def test_bf16_and_small_models_keep_aten(wide_ckpt, qwen3_ckpt, make_qwen_runner):
-    assert make_qwen_runner(wide_ckpt, "model_config.dtype=bfloat16").prefill_linears.kernel == "aten"
+def test_eager_decode_runs_the_gemv_kernel_and_matches_hf(wide_ckpt, make_qwen_runner):
+    """The eager decode step's large linear (one row) runs the kernel; the tokens stay HF's."""
+    if not eager_linear.gemv_runs(torch.float32):
+        pytest.skip("no AVX-512 here, or no compiler for the kernel")
+    runner, ref = make_qwen_runner(wide_ckpt, "model_config.exe_mode=eager"), ckpt.load_reference(wide_ckpt)
+    expected = ckpt.reference_greedy(ref, PROMPT, 8)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        gen = runner.generate([PROMPT], 8)
+    assert gen.token_ids == [expected]
+    gemv = [e for e in prof.events() if e.name == "cann_cpu::gemv"]
+    assert len(gemv) == 2 * 7  # one large weight per layer, 7 decode steps (the prefill's rows went to oneDNN)
+    assert runner.prefill_linears.to_metrics()["gemv_calls"] == 0
+
+
+def test_bf16_takes_the_gemv_kernel_and_small_models_keep_aten(wide_ckpt, qwen3_ckpt, make_qwen_runner):
+    assert make_qwen_runner(wide_ckpt, "model_config.dtype=bfloat16").prefill_linears.kernel == "gemv"
     assert make_qwen_runner(qwen3_ckpt).prefill_linears.kernel == "aten"  # every weight below the limit

@@ -182,7 +182,12 @@ class Backend:
 
 
 class EagerBackend(Backend):
-    """exe_mode eager: the step runs as plain PyTorch with the given op table."""
+    """exe_mode eager: the step runs as plain PyTorch with the given op table; `wrap`, when given,
+    wraps the step (on CPU: executor.backends.eager_linear.eager_step, the large linears' kernels)."""
 
-    def __init__(self, op_table: str = "reference"):
+    def __init__(self, op_table: str = "reference", wrap: Callable[[Step], Step] | None = None):
         self.op_table = op_table
+        self.wrap = wrap
+
+    def compile(self, step: Step) -> CompiledStep:
+        return CompiledStep(self.wrap(step) if self.wrap else step, self.name)

@@ -1,89 +1,142 @@
-"""fp32 linears of the eager prefill on CPU: oneDNN instead of aten's sgemm.
+"""Large linears that run eagerly on CPU: oneDNN for fp32 prefill GEMMs, our kernel for a few rows.
 
-Why: in this torch build aten's fp32 `linear` is MKL's sgemm, and on the reference machine (an
-AMD EPYC) it ran the Qwen3-0.6B prefill's GEMMs at 60-90 GFLOP/s, while oneDNN, which this build
-also carries, ran the same products 1.2-1.7x faster on the plain, unpacked weight (M = 128-2048
-rows; a square product: 133 against 207 GFLOP/s; BENCHMARKS.md, "sixth pass"). The fp32 prefill
-is ~90% GEMMs, so this is most of its time. bf16 is left alone: aten already sends bf16 linears
-to oneDNN.
+Why oneDNN: in this torch build aten's fp32 `linear` is MKL's sgemm, and on the reference
+machine (an AMD EPYC) it ran the Qwen3-0.6B prefill's GEMMs at 60-90 GFLOP/s, while oneDNN, which
+this build also carries, ran the same products 1.2-1.7x faster on the plain, unpacked weight (M =
+128-2048 rows; a square product: 133 against 207 GFLOP/s; BENCHMARKS.md, "sixth pass"). The fp32
+prefill is ~90% GEMMs, so this is most of its time. bf16 GEMMs are left alone: aten already sends
+them to oneDNN.
 
-Only what runs eagerly goes through here: the prefill (executor.runner). A compiled decode
-graph picks its own kernels (the GEMV lowering and `cann_cpu::packed_linear`), and a torch
-function mode active while Dynamo traces would put its choices into the graph instead.
+Why a kernel for 1-4 rows (`cann_cpu::gemv`, csrc/gemv.cpp): with a row or a few (the eager
+decode step; the prefill's last-token logits) a linear is a stream over the weight, and aten
+streamed the 0.6B shape's bf16 weights at 15-19 GB/s where the machine reads ~33-35
+(BENCHMARKS.md, "twelfth pass"). The kernel reads the weight as stored, at the read bandwidth.
+It is built on the first call that needs it; where it cannot be, one line says so and aten
+runs those calls.
 
-The weight is used as stored, which measured within 3-20% of a copy packed for oneDNN: no
-second copy of the weights, unlike the packed decode path. Small weights stay with aten, as
-there (a oneDNN call's setup costs more than it saves on a weight in cache).
+What runs through here: the runner's eager prefill, and the eager backend's decode step on CPU
+(executor.compile). A compiled decode graph picks its own kernels (the GEMV lowering and
+`cann_cpu::packed_linear`), and a torch function mode active while Dynamo traces would put its
+choices into the graph instead.
+
+The weight is used as stored (oneDNN measured within 3-20% of a copy packed for it): no second
+copy of the weights, unlike the packed decode path. Small weights stay with aten, as there (a
+call's setup costs more than it saves on a weight in cache).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from executor.backends import packed_linear
+from executor.custom_ops._build import KernelBuildError, load_kernel
+
+GEMV_MAX_ROWS = 4  # the kernel's limit (csrc/gemv.cpp)
+GEMV_DTYPES = (torch.bfloat16, torch.float32)
+GEMV_SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cpp"
+
+_lib = torch.library.Library("cann_cpu", "FRAGMENT")  # the namespace is defined by packed_linear
+_lib.define("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_lib.define("gemv_supported(ScalarType dtype) -> bool")
 
 
-def _qualifies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+@functools.cache
+def _gemv_library() -> bool:
+    try:
+        load_kernel("cann_cpu::gemv", "cann_cpu_gemv", [str(GEMV_SOURCE)], remedy="")
+    except KernelBuildError as exc:
+        print(f"[eager_linear] {exc}; linears of 1-{GEMV_MAX_ROWS} rows run on aten instead", flush=True)
+        return False
+    return True
+
+
+@functools.cache
+def gemv_runs(dtype: torch.dtype) -> bool:
+    """The kernel is built and loaded (once per machine / process) and this CPU runs it for `dtype`."""
+    return dtype in GEMV_DTYPES and _gemv_library() and bool(torch.ops.cann_cpu.gemv_supported(dtype))
+
+
+def _large(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """A CPU linear with a weight worth a kernel call, nothing to differentiate."""
     return (
         x.device.type == "cpu"
-        and x.dtype == weight.dtype == torch.float32
+        and x.dtype == weight.dtype
         and weight.dim() == 2
         and weight.numel() >= packed_linear.MIN_WEIGHT_NUMEL
         and x.numel() > 0
-        and (bias is None or bias.dtype == torch.float32)
+        and (bias is None or bias.dtype == weight.dtype)
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
     )
 
 
-class OneDNNLinears(TorchFunctionMode):
-    """While active, `F.linear` (and so every nn.Linear) with a qualifying fp32 CPU weight runs
-    through oneDNN; `calls` counts them (what metrics.json reports)."""
+class LinearKernels(TorchFunctionMode):
+    """While active, `F.linear` (and so every nn.Linear) with a large CPU weight runs the GEMV
+    kernel for 1-4 rows in bf16 or fp32, oneDNN for more rows in fp32, aten otherwise; the counts
+    are what metrics.json reports."""
 
     def __init__(self):
         super().__init__()
-        self.calls = 0
+        self.onednn_calls = 0
+        self.gemv_calls = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch._C._nn.linear:
             x, weight = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if _qualifies(x, weight, bias):
-                self.calls += 1
-                rows = x.reshape(-1, x.shape[-1])
-                out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
-                return out.view(*x.shape[:-1], weight.shape[0])
+            if _large(x, weight, bias):
+                rows = x.numel() // x.shape[-1]
+                if rows <= GEMV_MAX_ROWS and weight.stride(1) == 1 and gemv_runs(weight.dtype):
+                    self.gemv_calls += 1
+                    return torch.ops.cann_cpu.gemv(x, weight, bias)
+                if weight.dtype == torch.float32 and packed_linear.supported(torch.float32):
+                    self.onednn_calls += 1
+                    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), weight, bias, "none", [], "")
+                    return out.view(*x.shape[:-1], weight.shape[0])
         return func(*args, **kwargs)
 
 
+def eager_step(step: Callable) -> Callable:
+    """`step` run under LinearKernels (the eager backend's decode step on CPU)."""
+
+    @functools.wraps(step)
+    def run(*args, **kwargs):
+        with LinearKernels():
+            return step(*args, **kwargs)
+
+    return run
+
+
 class EagerLinears:
-    """The runner's choice for its eager prefill, made once: oneDNN where it applies (a CPU run
-    in fp32 with oneDNN available and at least one weight large enough), else aten as is."""
+    """The runner's choice for its eager prefill, made once: the kernels above where a CPU run has
+    a weight large enough, else aten as is."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype):
         large = any(p.dim() == 2 and p.numel() >= packed_linear.MIN_WEIGHT_NUMEL for p in model.parameters())
-        self.kernel = (
-            "onednn"
-            if device.type == "cpu" and dtype == torch.float32 and large and packed_linear.supported(dtype)
-            else "aten"
-        )
-        self.calls = 0
+        onednn = dtype == torch.float32 and packed_linear.supported(dtype)
+        self.kernel = "onednn" if onednn else "gemv" if dtype in GEMV_DTYPES else "aten"
+        if device.type != "cpu" or not large:
+            self.kernel = "aten"
+        self.onednn_calls = self.gemv_calls = 0
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        if self.kernel != "onednn":
+        if self.kernel == "aten":
             yield
             return
-        mode = OneDNNLinears()
+        mode = LinearKernels()
         try:
             with mode:
                 yield
         finally:
-            self.calls += mode.calls
+            self.onednn_calls += mode.onednn_calls
+            self.gemv_calls += mode.gemv_calls
 
     def to_metrics(self) -> dict:
-        return {"kernel": self.kernel, "onednn_calls": self.calls}
+        return {"kernel": self.kernel, "onednn_calls": self.onednn_calls, "gemv_calls": self.gemv_calls}
