@@ -21,8 +21,9 @@
 // Scores and probabilities stay in fp32 up to the rounding of p for the second product, as in
 // PyTorch's kernel.
 //
-// The vector code is compiled for AVX-512 per function (target attribute); supported() says
-// whether this CPU can run it, and the Python side never calls the kernel where it cannot.
+// The vector code is compiled for AVX-512 per function (target attribute);
+// causal_attention_supported() says whether this CPU can run it, and the Python side never calls
+// the kernel where it cannot.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
