@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from executor.custom_ops._build import KernelBuildError, load_kernel
+from executor.custom_ops._build import load_optional_kernel
 
 KERNEL = "cann_cpu::causal_attention"
 KERNEL_SOURCE = Path(__file__).resolve().parent / "csrc" / "causal_attention.cpp"
@@ -43,12 +43,14 @@ _lib.define("causal_attention_supported() -> bool")
 def kernel_runs() -> bool:
     """The kernel is built and loaded (once per machine / process) and this CPU has AVX512-BF16.
     A build that cannot happen is said once, not raised: SDPA then runs every call."""
-    try:
-        load_kernel(KERNEL, "cann_cpu_causal_attention", [str(KERNEL_SOURCE)], remedy="")
-    except KernelBuildError as exc:
-        print(f"[eager_attention] {exc}; the bf16 prefill attention runs on SDPA instead", flush=True)
-        return False
-    return bool(torch.ops.cann_cpu.causal_attention_supported())
+    built = load_optional_kernel(
+        KERNEL,
+        "cann_cpu_causal_attention",
+        KERNEL_SOURCE,
+        "eager_attention",
+        "the bf16 prefill attention runs on SDPA instead",
+    )
+    return built and bool(torch.ops.cann_cpu.causal_attention_supported())
 
 
 def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask, dropout_p: float, is_causal: bool) -> bool:

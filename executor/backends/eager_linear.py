@@ -35,7 +35,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from executor.backends import packed_linear
-from executor.custom_ops._build import KernelBuildError, load_kernel
+from executor.custom_ops._build import load_optional_kernel
 
 GEMV_MAX_ROWS = 4  # the kernel's limit (csrc/gemv.cpp)
 GEMV_DTYPES = (torch.bfloat16, torch.float32)
@@ -48,12 +48,13 @@ _lib.define("gemv_supported(ScalarType dtype) -> bool")
 
 @functools.cache
 def _gemv_library() -> bool:
-    try:
-        load_kernel("cann_cpu::gemv", "cann_cpu_gemv", [str(GEMV_SOURCE)], remedy="")
-    except KernelBuildError as exc:
-        print(f"[eager_linear] {exc}; linears of 1-{GEMV_MAX_ROWS} rows run on aten instead", flush=True)
-        return False
-    return True
+    return load_optional_kernel(
+        "cann_cpu::gemv",
+        "cann_cpu_gemv",
+        GEMV_SOURCE,
+        "eager_linear",
+        f"linears of 1-{GEMV_MAX_ROWS} rows run on aten instead",
+    )
 
 
 @functools.cache

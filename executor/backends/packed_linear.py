@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from executor.custom_ops._build import KernelBuildError, load_kernel
+from executor.custom_ops._build import load_optional_kernel
 from executor.memo import TensorMemo
 
 # Weights smaller than this (elements) stay with aten: they sit in cache, and a call of this op
@@ -85,12 +85,13 @@ def _kernel_library() -> bool:
     """Build (once per machine) and load the kernel library, on the first ask (a decode graph's
     compile). A build that cannot happen is said once, not raised: oneDNN then runs every call,
     as before the kernel existed."""
-    try:
-        load_kernel("cann_cpu::rows_linear", "cann_cpu_rows_linear", [str(KERNEL_SOURCE)], remedy="")
-    except KernelBuildError as exc:
-        print(f"[packed_linear] {exc}; batched decode GEMMs run on oneDNN instead", flush=True)
-        return False
-    return True
+    return load_optional_kernel(
+        "cann_cpu::rows_linear",
+        "cann_cpu_rows_linear",
+        KERNEL_SOURCE,
+        "packed_linear",
+        "batched decode GEMMs run on oneDNN instead",
+    )
 
 
 @functools.cache

@@ -146,3 +146,16 @@ def load_kernel(op: str, library: str, sources: list[str], remedy: str = CUSTOM_
         torch.ops.load_library(str(built))
     _loaded[library] = built
     return built
+
+
+def load_optional_kernel(op: str, library: str, source: Path, tag: str, instead: str) -> bool:
+    """Build (once per machine) and load a backend's own kernel, one that is a speed choice and not
+    something the user asked for (executor/backends/csrc/). A build that cannot happen is said in
+    one line, `[tag] <why>; <instead>`, not raised, and False is returned: the caller then runs
+    what it ran before the kernel existed."""
+    try:
+        load_kernel(op, library, [str(source)], remedy="")
+    except KernelBuildError as exc:
+        print(f"[{tag}] {exc}; {instead}", flush=True)
+        return False
+    return True

@@ -68,50 +68,29 @@ CANN_TARGET inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Scores of MB rows (bf16, row stride ld) against one packed block of 64 keys (D/2 pairs):
-// s[m][0..64) = q_m . k_j, fp32, row stride lds.
+// One tile of either product: out[m][0..64) = (alpha ? out[m][0..64) * alpha[m] : 0) + a_m . B for
+// MB rows of bf16 a (row stride lda) against one packed 64-column block B over K2 pairs of the
+// reduction; out fp32, row stride ldo.
+// - scores: a = q (K2 = D/2), B = 64 packed keys, no alpha;
+// - output: a = the bf16 probabilities (K2 = keys/2), B = 64 packed columns of V, alpha = the
+//   rows' rescaling by the online softmax.
 template <int MB>
-CANN_TARGET inline void score_tile(const uint16_t* q, int64_t ld, const uint16_t* kb, int64_t D2, float* s,
-                                   int64_t lds) {
-  __m512 acc[MB][4];
-  for (int m = 0; m < MB; ++m)
-    for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_setzero_ps();
-  for (int64_t kp = 0; kp < D2; ++kp) {
-    const uint16_t* w = kb + kp * 2 * kCols;
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 32);
-    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 64);
-    const __m512bh w3 = (__m512bh)_mm512_loadu_si512(w + 96);
-    for (int m = 0; m < MB; ++m) {
-      const __m512bh b = (__m512bh)_mm512_set1_epi32(reinterpret_cast<const int32_t*>(q + m * ld)[kp]);
-      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, b);
-      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, b);
-      acc[m][2] = _mm512_dpbf16_ps(acc[m][2], w2, b);
-      acc[m][3] = _mm512_dpbf16_ps(acc[m][3], w3, b);
-    }
-  }
-  for (int m = 0; m < MB; ++m)
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + m * lds + c * 16, acc[m][c]);
-}
-
-// o[m][0..64) = o[m][0..64) * alpha[m] + p_m . v for MB rows of bf16 probabilities (row stride ldp)
-// against one packed 64-column block of V over K2 pairs of keys; o fp32, row stride ldo.
-template <int MB>
-CANN_TARGET inline void output_tile(const uint16_t* p, int64_t ldp, const uint16_t* vb, int64_t K2, float* o,
-                                    int64_t ldo, const float* alpha) {
+CANN_TARGET inline void dot_tile(const uint16_t* a, int64_t lda, const uint16_t* blk, int64_t K2, float* out,
+                                 int64_t ldo, const float* alpha) {
   __m512 acc[MB][4];
   for (int m = 0; m < MB; ++m) {
-    const __m512 a = _mm512_set1_ps(alpha[m]);
-    for (int c = 0; c < 4; ++c) acc[m][c] = _mm512_mul_ps(_mm512_loadu_ps(o + m * ldo + c * 16), a);
+    const __m512 s = _mm512_set1_ps(alpha ? alpha[m] : 0.0f);
+    for (int c = 0; c < 4; ++c)
+      acc[m][c] = alpha ? _mm512_mul_ps(_mm512_loadu_ps(out + m * ldo + c * 16), s) : _mm512_setzero_ps();
   }
   for (int64_t kp = 0; kp < K2; ++kp) {
-    const uint16_t* w = vb + kp * 2 * kCols;
+    const uint16_t* w = blk + kp * 2 * kCols;
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 32);
     const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 64);
     const __m512bh w3 = (__m512bh)_mm512_loadu_si512(w + 96);
     for (int m = 0; m < MB; ++m) {
-      const __m512bh b = (__m512bh)_mm512_set1_epi32(reinterpret_cast<const int32_t*>(p + m * ldp)[kp]);
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(reinterpret_cast<const int32_t*>(a + m * lda)[kp]);
       acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, b);
       acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, b);
       acc[m][2] = _mm512_dpbf16_ps(acc[m][2], w2, b);
@@ -119,15 +98,12 @@ CANN_TARGET inline void output_tile(const uint16_t* p, int64_t ldp, const uint16
     }
   }
   for (int m = 0; m < MB; ++m)
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + m * ldo + c * 16, acc[m][c]);
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + m * ldo + c * 16, acc[m][c]);
 }
 
-using ScoreFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t);
-using OutputFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, const float*);
-constexpr ScoreFn kScore[kRows + 1] = {nullptr,          score_tile<1>, score_tile<2>, score_tile<3>,
-                                       score_tile<4>,    score_tile<5>, score_tile<6>};
-constexpr OutputFn kOutput[kRows + 1] = {nullptr,          output_tile<1>, output_tile<2>, output_tile<3>,
-                                         output_tile<4>,   output_tile<5>, output_tile<6>};
+using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t, const float*);
+constexpr TileFn kTile[kRows + 1] = {nullptr,     dot_tile<1>, dot_tile<2>, dot_tile<3>,
+                                     dot_tile<4>, dot_tile<5>, dot_tile<6>};
 
 // The online softmax of one row over one block of keys: s (fp32, `valid` keys of `width` used),
 // scaled by `scale`; updates the row's running max and sum, writes the bf16 probabilities to p
@@ -197,7 +173,7 @@ CANN_TARGET void run_item(const Item& it, int64_t G, int64_t q0, int64_t q1, int
     for (int64_t nb = 0; nb < nk; nb += kCols)
       for (int64_t r = 0; r < R; r += kRows) {
         const int mb = static_cast<int>(std::min<int64_t>(kRows, R - r));
-        kScore[mb](&qbuf[r * D], D, it.kp + (n0 + nb) * D, D / 2, &sbuf[r * kKeys + nb], kKeys);
+        kTile[mb](&qbuf[r * D], D, it.kp + (n0 + nb) * D, D / 2, &sbuf[r * kKeys + nb], kKeys, nullptr);
       }
     for (int64_t r = 0; r < R; ++r) {
       const int64_t valid = std::min(nk, q0 + r % bq + 1 - n0);
@@ -211,7 +187,7 @@ CANN_TARGET void run_item(const Item& it, int64_t G, int64_t q0, int64_t q1, int
     for (int64_t db = 0; db < D; db += kCols)
       for (int64_t r = 0; r < R; r += kRows) {
         const int mb = static_cast<int>(std::min<int64_t>(kRows, R - r));
-        kOutput[mb](&pbuf[r * kKeys], kKeys, it.vp + db * T + n0 * kCols, nk / 2, &obuf[r * D + db], D, &alpha[r]);
+        kTile[mb](&pbuf[r * kKeys], kKeys, it.vp + db * T + n0 * kCols, nk / 2, &obuf[r * D + db], D, &alpha[r]);
       }
   }
   for (int64_t r = 0; r < R; ++r) {

@@ -79,12 +79,14 @@ CANN_F32_TARGET inline void f32_row(const float* x, int64_t ldx, const float* w,
     __m512 wr[4];
     for (int u = 0; u < 4; ++u) wr[u] = _mm512_loadu_ps(w + k + 16 * u);
     for (int m = 0; m < MB; ++m)
-      for (int u = 0; u < 4; ++u) acc[m][u] = _mm512_fmadd_ps(wr[u], _mm512_loadu_ps(x + m * ldx + k + 16 * u), acc[m][u]);
+      for (int u = 0; u < 4; ++u)
+        acc[m][u] = _mm512_fmadd_ps(wr[u], _mm512_loadu_ps(x + m * ldx + k + 16 * u), acc[m][u]);
   }
   for (; k < K; k += 16) {
     const __mmask16 mask = K - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (K - k)) - 1);
     const __m512 wr = _mm512_maskz_loadu_ps(mask, w + k);
-    for (int m = 0; m < MB; ++m) acc[m][0] = _mm512_fmadd_ps(wr, _mm512_maskz_loadu_ps(mask, x + m * ldx + k), acc[m][0]);
+    for (int m = 0; m < MB; ++m)
+      acc[m][0] = _mm512_fmadd_ps(wr, _mm512_maskz_loadu_ps(mask, x + m * ldx + k), acc[m][0]);
   }
   for (int m = 0; m < MB; ++m) {
     const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
