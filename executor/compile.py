@@ -50,7 +50,7 @@ def select_backend(spec: DecodeSpec, platform: Platform) -> Backend:
         table = custom_ops.layer("reference", mc.custom_ops, custom_ops.installer(platform.kind))
         if platform.kind != "cpu":
             return EagerBackend(table)
-        from executor.backends.eager_linear import eager_step  # few-row linears on a kernel of ours
+        from executor.backends.eager_kernels import eager_step  # our linear and pointwise kernels
 
         return EagerBackend(table, eager_step)
     if mc.exe_mode == "npugraph_ex":

@@ -40,8 +40,7 @@ import torch
 from executor import MALLOC_POLICY, logs, memory, numerics, ops, preflight, thp_mode
 from executor.arch import ModelArch
 from executor.backends.base import Backend, CompiledStep, DecodeSpec
-from executor.backends.eager_attention import EagerAttention
-from executor.backends.eager_linear import EagerLinears
+from executor.backends.eager_kernels import EagerKernels
 from executor.compile import resolve_dtype, select_backend
 from executor.config import ConfigError, RunConfig, to_dict
 from executor.context import ExecutionContext
@@ -115,8 +114,7 @@ class ModelRunner:
         # Only now: on Ascend "npu" names a device once the backend has imported torch_npu.
         self.device = torch.device(platform.kind)
         self.model.to(self.device).eval()
-        self.prefill_linears = EagerLinears(self.model, self.device, self.dtype)  # oneDNN for fp32 on CPU
-        self.prefill_attention = EagerAttention(self.device, self.dtype)  # our causal kernel for bf16 on CPU
+        self.prefill_kernels = EagerKernels(self.model, self.device, self.dtype)  # CPU: linears, attention, pointwise
         self.tokenizer = Tokenizer.from_file(self._tokenizer_path())
         preflight.check_vocab(self.arch, self.tokenizer.vocab_size, str(self.tokenizer.path))
         self.decode_scopes = ScopeRunner(self.plan, active=True)
@@ -250,7 +248,7 @@ class ModelRunner:
             ids[i, : len(p)] = torch.tensor(p)
         positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
         cache = self.cache.rows(start, stop, ids.shape[1])  # the prompt's slots only
-        with self.prefill_linears.active(), self.prefill_attention.active():
+        with self.prefill_kernels.active():
             hidden = self.model(ids, positions, cache, scopes or self.prefill_scopes)
             return self.model.logits(hidden[torch.arange(len(rows)), lengths - 1])  # (b, V)
 
@@ -462,8 +460,7 @@ class ModelRunner:
             "batch_size": len(gen.token_ids),
             "decode_steps": len(gen.decode_ms),
             "prefill_ms": gen.prefill_ms,
-            "prefill_linears": self.prefill_linears.to_metrics(),
-            "prefill_attention": self.prefill_attention.to_metrics(),
+            **self.prefill_kernels.to_metrics(),
             "decode_ms": gen.decode_ms,
             "decode_ms_median": statistics.median(gen.decode_ms) if gen.decode_ms else None,
             "decode_ms_average": logs.decode_average_ms(gen.decode_ms) if gen.decode_ms else None,

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 import tests.checkpoints as ckpt
 from executor.backends import eager_attention
-from executor.backends.eager_attention import CausalAttentionMode, qualifies
+from executor.backends.eager_attention import AttentionKernel, qualifies
+from executor.ops import reference as ops_reference
 from tests.test_qwen_dense import PROMPT, hf_logits
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,26 +77,35 @@ def test_the_scale_and_the_causal_mask_are_applied(kernel):
 
 def test_only_plain_causal_bf16_calls_qualify():
     q, k, v = inputs(1, 4, 2, 16, 64)
-    assert qualifies(q, k, v, None, 0.0, True)
-    assert not qualifies(q, k, v, None, 0.0, False)  # not causal
-    assert not qualifies(q, k, v, torch.ones(16, 16, dtype=torch.bool), 0.0, True)  # a mask
-    assert not qualifies(q.float(), k.float(), v.float(), None, 0.0, True)  # fp32 stays with SDPA
-    assert not qualifies(q[..., :48], k[..., :48], v[..., :48], None, 0.0, True)  # head_dim not a multiple of 64
-    assert not qualifies(q[:, :, :8], k, v, None, 0.0, True)  # fewer queries than keys (a later chunk)
-    assert not qualifies(q, k, v, None, 0.1, True)  # dropout
-    assert not qualifies(q[:, :3], k, v, None, 0.0, True)  # heads not a multiple of the KV heads
+    assert qualifies(q, k, v)
+    assert not qualifies(q.float(), k.float(), v.float())  # fp32 stays with SDPA
+    assert not qualifies(q[..., :48], k[..., :48], v[..., :48])  # head_dim not a multiple of 64
+    assert not qualifies(q[:, :, :8], k, v)  # fewer queries than keys (a later chunk)
+    assert not qualifies(q[:, :3], k, v)  # heads not a multiple of the KV heads
     with torch.enable_grad():
-        assert not qualifies(q.detach().requires_grad_(), k, v, None, 0.0, True)
+        assert not qualifies(q.detach().requires_grad_(), k, v)
 
 
-def test_the_mode_sends_qualifying_sdpa_calls_to_the_kernel(kernel):
+def causal(s, t=None):
+    """The runner's mask (B, 1, S, T), True = masked out: the plain causal one when T == S."""
+    t = s if t is None else t
+    return torch.ones(s, t, dtype=torch.bool).triu_(1).view(1, 1, s, t)
+
+
+def test_the_table_entry_takes_causal_prefills_and_leaves_the_rest_to_the_reference(kernel):
     q, k, v = inputs(1, 4, 2, 40, 64)
-    with torch.no_grad(), CausalAttentionMode() as mode:
-        got = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
-        F.scaled_dot_product_attention(q[:, :2], k, v, is_causal=True)  # same head counts: plain SDPA semantics
-        F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), None, 0.0, True)
-    assert mode.calls == 3  # the fp32 call went to SDPA
+    padded = causal(40).clone()
+    padded[..., 30:] = True  # a padded key: not the plain causal mask
+    entry = AttentionKernel()
+    with torch.no_grad():
+        got = entry.attention(q, k, v, causal(40), 64**-0.5)
+        for args in [
+            (q.float(), k.float(), v.float(), causal(40)),  # fp32
+            (q, k, v, padded),  # another mask
+            (q[:, :, :1], k[:, :, :1], v[:, :, :1], causal(1)),  # one query: the decode form
+        ]:
+            torch.testing.assert_close(entry.attention(*args, 0.125), ops_reference.attention(*args, 0.125))
+    assert entry.calls == 1
     torch.testing.assert_close(got, torch.ops.cann_cpu.causal_attention(q, k, v, 64**-0.5), rtol=0, atol=0)
 
 
@@ -108,31 +118,36 @@ def wide_heads_ckpt(tmp_path_factory):
 def test_bf16_prefill_runs_the_kernel_and_matches_hf(kernel, wide_heads_ckpt, make_qwen_runner):
     runner = make_qwen_runner(wide_heads_ckpt, "model_config.dtype=bfloat16")
     gen = runner.generate([PROMPT], 2)
-    assert runner.prefill_attention.to_metrics() == {"kernel": eager_attention.KERNEL, "kernel_calls": 2}
+    assert runner.prefill_kernels.to_metrics()["prefill_attention"] == {
+        "kernel": eager_attention.KERNEL,
+        "kernel_calls": 2,
+    }
     want = hf_logits(ckpt.load_reference(wide_heads_ckpt), PROMPT)[-1]
     got = gen.first_logits[0].float()
     assert F.cosine_similarity(got, want, dim=0) > 0.99
 
     fp32 = make_qwen_runner(wide_heads_ckpt)
     fp32.generate([PROMPT], 2)
-    assert fp32.prefill_attention.to_metrics() == {"kernel": "sdpa", "kernel_calls": 0}
+    assert fp32.prefill_kernels.to_metrics()["prefill_attention"] == {"kernel": "sdpa", "kernel_calls": 0}
 
 
 def test_no_compiler_is_one_line_and_sdpa_runs_the_calls(tmp_path):
-    """A fresh kernel cache and CXX pointing at nothing: the mode says so once and every call is
+    """A fresh kernel cache and CXX pointing at nothing: the table entry says so once and every call is
     SDPA's (no error: the kernel is a speed choice, not something the user asked for)."""
     env = dict(os.environ, CXX=str(tmp_path / "no" / "g++"), CANN_RECIPES_EXTENSIONS_DIR=str(tmp_path / "ext"))
     code = (
         "import torch, torch.nn.functional as F\n"
-        "from executor.backends.eager_attention import CausalAttentionMode\n"
+        "from executor.backends.eager_attention import AttentionKernel\n"
         "q = torch.randn(1, 4, 20, 64).bfloat16()\n"
         "k, v = torch.randn(2, 1, 2, 20, 64).bfloat16()\n"
+        "mask = torch.ones(20, 20, dtype=torch.bool).triu_(1).view(1, 1, 20, 20)\n"
         "want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)\n"
-        "with torch.no_grad(), CausalAttentionMode() as mode:\n"
+        "entry = AttentionKernel()\n"
+        "with torch.no_grad():\n"
         "    for _ in range(3):\n"
-        "        got = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)\n"
+        "        got = entry.attention(q, k, v, mask, 64**-0.5)\n"
         "torch.testing.assert_close(got, want, rtol=0, atol=0)\n"
-        "print('calls', mode.calls)\n"
+        "print('calls', entry.calls)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import tests.checkpoints as ckpt
 from executor.backends import eager_linear, packed_linear
-from executor.backends.eager_linear import LinearKernels
+from executor.backends.eager_linear import LinearKernel
 from tests.test_qwen_dense import PROMPT, assert_close_logits, hf_logits
 
 pytestmark = pytest.mark.skipif(not packed_linear.supported(torch.float32), reason="torch built without oneDNN")
@@ -28,10 +28,10 @@ def test_qualifying_linears_run_through_onednn_with_the_same_result():
     big = torch.nn.Linear(256, LARGE)  # with a bias
     small = torch.nn.Linear(256, 32)
     x = torch.randn(2, 5, 256)
+    mode = LinearKernel()
     with torch.no_grad():
         want_big, want_small = F.linear(x, big.weight, big.bias), small(x)
-        with LinearKernels() as mode:
-            got_big, got_small = big(x), small(x)
+        got_big, got_small = mode.linear(x, big.weight, big.bias), mode.linear(x, small.weight, small.bias)
     assert (mode.onednn_calls, mode.gemv_calls) == (1, 0)  # 10 rows; the small weight stays with aten
     assert got_big.shape == (2, 5, LARGE)
     torch.testing.assert_close(got_big, want_big, rtol=1e-5, atol=1e-5)
@@ -41,10 +41,11 @@ def test_qualifying_linears_run_through_onednn_with_the_same_result():
 def test_many_bf16_rows_and_autograd_stay_with_aten():
     big = torch.nn.Linear(256, LARGE)
     x = torch.randn(4, 256, requires_grad=True)
-    with LinearKernels() as mode:
-        big(x).sum().backward()  # an op with a graph to record is left to aten
-        with torch.no_grad():
-            big.to(torch.bfloat16)(x.detach().bfloat16().repeat(2, 1))  # 8 rows: aten calls oneDNN for bf16
+    mode = LinearKernel()
+    mode.linear(x, big.weight, big.bias).sum().backward()  # an op with a graph to record is left to aten
+    with torch.no_grad():
+        big.to(torch.bfloat16)
+        mode.linear(x.detach().bfloat16().repeat(2, 1), big.weight, big.bias)  # 8 rows: aten calls oneDNN for bf16
     assert (mode.onednn_calls, mode.gemv_calls) == (0, 0)
     assert x.grad is not None
 
@@ -58,11 +59,11 @@ def test_one_to_four_rows_run_the_gemv_kernel(dtype, shape):
     big = torch.nn.Linear(250, 2 * LARGE).to(dtype)  # K = 250: a masked tail in both dtypes
     x = torch.randn(shape).to(dtype)
     want = F.linear(x.double(), big.weight.double(), big.bias.double())
+    mode = LinearKernel()
     with torch.no_grad():
         aten = F.linear(x, big.weight, big.bias)
-        with LinearKernels() as mode:
-            got = big(x)
-            F.linear(x, big.weight.t().contiguous().t(), big.bias)  # columns contiguous: not the kernel's layout
+        got = mode.linear(x, big.weight, big.bias)
+        mode.linear(x, big.weight.t().contiguous().t(), big.bias)  # columns contiguous: not the kernel's layout
     assert mode.gemv_calls == 1
     assert got.shape == (*shape[:-1], 2 * LARGE) and got.dtype == dtype
     err, aten_err = (got.double() - want).abs().max(), (aten.double() - want).abs().max()
@@ -78,13 +79,17 @@ def wide_ckpt(tmp_path_factory):
 
 def test_prefill_uses_onednn_and_matches_hf(wide_ckpt, make_qwen_runner):
     runner, ref = make_qwen_runner(wide_ckpt), ckpt.load_reference(wide_ckpt)
-    assert runner.prefill_linears.kernel == "onednn"
+    assert runner.prefill_kernels.linear_kernel == "onednn"
     expected = ckpt.reference_greedy(ref, PROMPT, 8)
     assert len(set(expected)) > 3, "degenerate reference; the comparison would prove little"
     gen = runner.generate([PROMPT], 8)
     assert gen.token_ids == [expected]
     assert_close_logits(gen.first_logits[0], hf_logits(ref, PROMPT)[-1])
-    assert runner.prefill_linears.to_metrics() == {"kernel": "onednn", "onednn_calls": 2, "gemv_calls": 0}
+    assert runner.prefill_kernels.to_metrics()["prefill_linears"] == {
+        "kernel": "onednn",
+        "onednn_calls": 2,
+        "gemv_calls": 0,
+    }
 
 
 def test_eager_decode_runs_the_gemv_kernel_and_matches_hf(wide_ckpt, make_qwen_runner):
@@ -98,9 +103,9 @@ def test_eager_decode_runs_the_gemv_kernel_and_matches_hf(wide_ckpt, make_qwen_r
     assert gen.token_ids == [expected]
     gemv = [e for e in prof.events() if e.name == "cann_cpu::gemv"]
     assert len(gemv) == 2 * 7  # one large weight per layer, 7 decode steps (the prefill's rows went to oneDNN)
-    assert runner.prefill_linears.to_metrics()["gemv_calls"] == 0
+    assert runner.prefill_kernels.to_metrics()["prefill_linears"]["gemv_calls"] == 0
 
 
 def test_bf16_takes_the_gemv_kernel_and_small_models_keep_aten(wide_ckpt, qwen3_ckpt, make_qwen_runner):
-    assert make_qwen_runner(wide_ckpt, "model_config.dtype=bfloat16").prefill_linears.kernel == "gemv"
-    assert make_qwen_runner(qwen3_ckpt).prefill_linears.kernel == "aten"  # every weight below the limit
+    assert make_qwen_runner(wide_ckpt, "model_config.dtype=bfloat16").prefill_kernels.linear_kernel == "gemv"
+    assert make_qwen_runner(qwen3_ckpt).prefill_kernels.linear_kernel == "aten"  # every weight below the limit

@@ -114,12 +114,12 @@ def test_prefill_attention_causal_and_other_square_masks():
     for mask in (causal, other):
         expected = _explicit_attention(q, k, v, mask, scale)
         torch.testing.assert_close(reference.attention(q, k, v, mask, scale), expected, rtol=1e-5, atol=1e-5)
-    assert reference._is_causal(causal) and not reference._is_causal(other)
+    assert reference.is_causal_mask(causal) and not reference.is_causal_mask(other)
     causal[0, 0, 2, 1] = True  # changed in place after its verdict was kept: checked again
-    assert not reference._is_causal(causal)
+    assert not reference.is_causal_mask(causal)
     with torch.inference_mode():  # no version counter there: checked every time, no error
         fresh = torch.ones(s, s, dtype=torch.bool).triu(1).expand(b, 1, s, s)
-        assert reference._is_causal(fresh)
+        assert reference.is_causal_mask(fresh)
 
 
 def test_attention_mask_polarity_true_means_ignored():

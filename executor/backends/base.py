@@ -183,7 +183,7 @@ class Backend:
 
 class EagerBackend(Backend):
     """exe_mode eager: the step runs as plain PyTorch with the given op table; `wrap`, when given,
-    wraps the step (on CPU: executor.backends.eager_linear.eager_step, the large linears' kernels)."""
+    wraps the step (on CPU: executor.backends.eager_kernels.eager_step, this project's CPU kernels)."""
 
     def __init__(self, op_table: str = "reference", wrap: Callable[[Step], Step] | None = None):
         self.op_table = op_table

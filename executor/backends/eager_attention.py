@@ -8,27 +8,24 @@ faster at 128 and 512 tokens too (BENCHMARKS.md, "twelfth pass"): it packs each 
 AVX512-BF16's dot product, computes all the query heads of a group against each packed block, and
 never computes the blocks above the diagonal.
 
-Only the plain causal case goes through here: executor.ops' reference attention passes a prefill
-from slot 0 to `scaled_dot_product_attention(..., is_causal=True)`, and this mode, active around
-the runner's eager prefill, runs those calls in bf16 on CPU with whole 64-wide heads. Every other
-call (a mask, fp32, a head_dim the kernel does not tile, a CPU without AVX512-BF16) is SDPA's, as
-before. The kernel is built on the first call that qualifies, like a custom op's; where it cannot
-be built one line says so and SDPA runs the calls. metrics.json records which kernel ran
-(`prefill_attention`).
+Only the plain causal case goes through here: `AttentionKernel.attention`, installed over the op
+table's reference attention around the runner's eager prefill (executor.backends.eager_kernels),
+takes a prefill from slot 0 (the mask the reference passes to SDPA as `is_causal`) in bf16 on CPU
+with whole 64-wide heads. Every other call (another mask, fp32, a head_dim the kernel does not
+tile, a CPU without AVX512-BF16) is the reference's, SDPA as before. The kernel is built on the
+first call that qualifies, like a custom op's; where it cannot be built one line says so and
+SDPA runs the calls. metrics.json records which kernel ran (`prefill_attention`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from executor.custom_ops._build import load_optional_kernel
+from executor.ops import reference
 
 KERNEL = "cann_cpu::causal_attention"
 KERNEL_SOURCE = Path(__file__).resolve().parent / "csrc" / "causal_attention.cpp"
@@ -53,14 +50,11 @@ def kernel_runs() -> bool:
     return built and bool(torch.ops.cann_cpu.causal_attention_supported())
 
 
-def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask, dropout_p: float, is_causal: bool) -> bool:
-    """An SDPA call the kernel computes exactly: causal with no mask, bf16 on CPU, (B, H, S, D)
-    with as many keys as queries, whole 64-wide heads, grouped heads, nothing to differentiate."""
+def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Tensors the kernel takes: bf16 on CPU, (B, H, S, D) with as many keys as queries, whole
+    64-wide heads, grouped heads, nothing to differentiate."""
     return (
-        is_causal
-        and attn_mask is None
-        and dropout_p == 0.0
-        and q.device.type == "cpu"
+        q.device.type == "cpu"
         and q.dtype == k.dtype == v.dtype == torch.bfloat16
         and q.dim() == k.dim() == v.dim() == 4
         and k.shape == v.shape
@@ -80,47 +74,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return torch.ops.cann_cpu.causal_attention(*rows_contiguous, q.shape[-1] ** -0.5 if scale is None else scale)
 
 
-class CausalAttentionMode(TorchFunctionMode):
-    """While active, a qualifying `F.scaled_dot_product_attention` runs the kernel; `calls` counts
-    them (what metrics.json reports)."""
+class AttentionKernel:
+    """`attention` for the op table: the kernel for a prefill from slot 0 (the plain causal mask)
+    that qualifies, the reference for every other call; `calls` is what metrics.json reports."""
 
     def __init__(self):
-        super().__init__()
         self.calls = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            call = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"), args))
-            call.update(kwargs)
-            q, k, v = call["query"], call["key"], call["value"]
-            gqa = call.get("enable_gqa", False) or q.shape[1] == k.shape[1]
-            mask, dropout, causal = call.get("attn_mask"), call.get("dropout_p", 0.0), call.get("is_causal", False)
-            if gqa and qualifies(q, k, v, mask, dropout, causal) and kernel_runs():
-                self.calls += 1
-                return causal_attention(q, k, v, call.get("scale"))
-        return func(*args, **kwargs)
-
-
-class EagerAttention:
-    """The runner's prefill attention on CPU in bf16: the kernel for every qualifying call (built
-    on the first), SDPA for the rest and on every other device and dtype."""
-
-    def __init__(self, device: torch.device, dtype: torch.dtype):
-        self.enabled = device.type == "cpu" and dtype == torch.bfloat16
-        self.calls = 0
-
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        if not self.enabled:
-            yield
-            return
-        mode = CausalAttentionMode()
-        try:
-            with mode:
-                yield
-        finally:
-            self.calls += mode.calls
-
-    def to_metrics(self) -> dict:
-        return {"kernel": KERNEL if self.calls else "sdpa", "kernel_calls": self.calls}
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
+        if q.shape[2] > 1 and qualifies(q, k, v) and kernel_runs() and reference.is_causal_mask(mask):
+            self.calls += 1
+            return causal_attention(q, k, v, scale)
+        return reference.attention(q, k, v, mask, scale)

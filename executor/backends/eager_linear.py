@@ -14,10 +14,9 @@ streamed the 0.6B shape's bf16 weights at 15-19 GB/s where the machine reads ~33
 It is built on the first call that needs it; where it cannot be, one line says so and aten
 runs those calls.
 
-What runs through here: the runner's eager prefill, and the eager backend's decode step on CPU
-(executor.compile). A compiled decode graph picks its own kernels (the GEMV lowering and
-`cann_cpu::packed_linear`), and a torch function mode active while Dynamo traces would put its
-choices into the graph instead.
+What runs through here: `ops.linear` during the runner's eager prefill and the eager backend's
+decode step on CPU (executor.backends.eager_kernels installs it over the op table). A compiled
+decode graph picks its own kernels (the GEMV lowering and `cann_cpu::packed_linear`).
 
 The weight is used as stored (oneDNN measured within 3-20% of a copy packed for it): no second
 copy of the weights, unlike the packed decode path. Small weights stay with aten, as there (a
@@ -26,16 +25,14 @@ call's setup costs more than it saves on a weight in cache).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from executor.backends import packed_linear
 from executor.custom_ops._build import load_optional_kernel
+from executor.ops import reference
 
 GEMV_MAX_ROWS = 4  # the kernel's limit (csrc/gemv.cpp)
 GEMV_DTYPES = (torch.bfloat16, torch.float32)
@@ -76,68 +73,34 @@ def _large(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     )
 
 
-class LinearKernels(TorchFunctionMode):
-    """While active, `F.linear` (and so every nn.Linear) with a large CPU weight runs the GEMV
-    kernel for 1-4 rows in bf16 or fp32, oneDNN for more rows in fp32, aten otherwise; the counts
-    are what metrics.json reports."""
+class LinearKernel:
+    """`linear` for the op table: the GEMV kernel for 1-4 rows of a large CPU weight in bf16 or
+    fp32, oneDNN for more rows in fp32, the reference otherwise; the counts are what
+    metrics.json reports."""
 
     def __init__(self):
-        super().__init__()
         self.onednn_calls = 0
         self.gemv_calls = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch._C._nn.linear:
-            x, weight = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if _large(x, weight, bias):
-                rows = x.numel() // x.shape[-1]
-                if rows <= GEMV_MAX_ROWS and weight.stride(1) == 1 and gemv_runs(weight.dtype):
-                    self.gemv_calls += 1
-                    return torch.ops.cann_cpu.gemv(x, weight, bias)
-                if weight.dtype == torch.float32 and packed_linear.supported(torch.float32):
-                    self.onednn_calls += 1
-                    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), weight, bias, "none", [], "")
-                    return out.view(*x.shape[:-1], weight.shape[0])
-        return func(*args, **kwargs)
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if _large(x, weight, bias):
+            rows = x.numel() // x.shape[-1]
+            if rows <= GEMV_MAX_ROWS and weight.stride(1) == 1 and gemv_runs(weight.dtype):
+                self.gemv_calls += 1
+                return torch.ops.cann_cpu.gemv(x, weight, bias)
+            if weight.dtype == torch.float32 and packed_linear.supported(torch.float32):
+                self.onednn_calls += 1
+                out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), weight, bias, "none", [], "")
+                return out.view(*x.shape[:-1], weight.shape[0])
+        return reference.linear(x, weight, bias)
 
 
-def eager_step(step: Callable) -> Callable:
-    """`step` run under LinearKernels (the eager backend's decode step on CPU)."""
-
-    @functools.wraps(step)
-    def run(*args, **kwargs):
-        with LinearKernels():
-            return step(*args, **kwargs)
-
-    return run
-
-
-class EagerLinears:
-    """The runner's choice for its eager prefill, made once: the kernels above where a CPU run has
-    a weight large enough, else aten as is."""
-
-    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype):
-        large = any(p.dim() == 2 and p.numel() >= packed_linear.MIN_WEIGHT_NUMEL for p in model.parameters())
-        onednn = dtype == torch.float32 and packed_linear.supported(dtype)
-        self.kernel = "onednn" if onednn else "gemv" if dtype in GEMV_DTYPES else "aten"
-        if device.type != "cpu" or not large:
-            self.kernel = "aten"
-        self.onednn_calls = self.gemv_calls = 0
-
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        if self.kernel == "aten":
-            yield
-            return
-        mode = LinearKernels()
-        try:
-            with mode:
-                yield
-        finally:
-            self.onednn_calls += mode.onednn_calls
-            self.gemv_calls += mode.gemv_calls
-
-    def to_metrics(self) -> dict:
-        return {"kernel": self.kernel, "onednn_calls": self.onednn_calls, "gemv_calls": self.gemv_calls}
+def kernel_for(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str:
+    """What a run's large linears get: "onednn" (fp32), "gemv" (bf16: its few-row products) or
+    "aten" (another device or dtype, or no weight large enough)."""
+    large = any(p.dim() == 2 and p.numel() >= packed_linear.MIN_WEIGHT_NUMEL for p in model.parameters())
+    if device.type != "cpu" or not large:
+        return "aten"
+    if dtype == torch.float32 and packed_linear.supported(dtype):
+        return "onednn"
+    return "gemv" if dtype in GEMV_DTYPES else "aten"

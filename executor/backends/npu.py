@@ -162,6 +162,7 @@ def register_ops() -> None:
             "moe_gating_top_k_softmax": moe_gating_top_k_softmax,
             "moe_init_routing": moe_init_routing,
         },
+        base="reference",  # linear: F.linear, which torchair converts to MatMul
     )
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from executor.ops import reference
 
 OP_NAMES = (
+    "linear",
     "rms_norm",
     "add_rms_norm",
     "swiglu",
@@ -87,6 +88,23 @@ def using(name: str) -> Iterator[None]:
         _active_name[0] = previous_name
 
 
+@contextlib.contextmanager
+def over_reference(fns: dict[str, Callable]) -> Iterator[None]:
+    """For a `with` block, run `fns` (op -> function) in place of the active table's entries that
+    are still the reference's own functions; an entry a table replaced (NPU, a custom op) stays.
+    For the eager CPU kernels of executor.backends, which compute the reference in fewer passes."""
+    unknown = set(fns) - set(OP_NAMES)
+    if unknown:
+        raise ValueError(f"unknown ops {sorted(unknown)}; known: {', '.join(OP_NAMES)}")
+    reference_fns = _TABLES["reference"]
+    replaced = {name: _active[name] for name in fns if _active[name] is reference_fns[name]}
+    _active.update({name: fns[name] for name in replaced})
+    try:
+        yield
+    finally:
+        _active.update(replaced)
+
+
 def active() -> str:
     return _active_name[0]
 
@@ -103,6 +121,10 @@ def table(name: str) -> dict[str, Callable]:
     if name not in _TABLES:
         raise ValueError(f"op implementation {name!r} is not registered; registered: {', '.join(_TABLES)}")
     return dict(_TABLES[name])
+
+
+def linear(x, weight, bias=None):
+    return _active["linear"](x, weight, bias)
 
 
 def rms_norm(x, weight, eps):

@@ -13,6 +13,12 @@ import torch.nn.functional as F
 from executor.memo import TensorMemo
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b, as nn.Linear. An op of the table, like the fused ones, so that a backend can give
+    the projections another kernel without a hook on every torch call (executor.backends.eager_kernels)."""
+    return F.linear(x, weight, bias)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """npu_rms_norm(x, gamma, eps)[0]: normalise in fp32, cast back, then scale."""
     xf = x.float()
@@ -68,7 +74,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     the step's generated code."""
     b, hq, s, d = q.shape
     if s > 1:  # prefill: a fused kernel that never materialises the (S, T) scores
-        if _is_causal(mask):
+        if is_causal_mask(mask):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=~mask, scale=scale, enable_gqa=True)
     hkv, t = k.shape[1], k.shape[2]
@@ -86,7 +92,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 _CAUSAL: TensorMemo[bool] = TensorMemo()
 
 
-def _is_causal(mask: torch.Tensor) -> bool:
+def is_causal_mask(mask: torch.Tensor) -> bool:
     """True when every row of `mask` (B, 1, S, T) masks exactly the slots after its query: S == T
     and slot j > query i. Every layer of a forward passes the same mask, so the S x T comparison
     (~8 ms at 2048 tokens, and a device sync on a GPU) runs once per mask, not once per layer;

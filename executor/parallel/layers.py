@@ -10,9 +10,10 @@
 | ParallelLMHead             | its block of the vocabulary           | all-gather of the logits            |
 
 Each subclasses the torch layer it replaces and keeps its parameter names (`weight`, `bias`),
-so checkpoints map the same way; with a group of one it *is* that layer (forward inherited), so
-a single-device decode graph is unchanged. Parameters carry a ShardSpec saying which part of
-the full tensor they hold (the loader reads only that part).
+so checkpoints map the same way; with a group of one it computes what that layer does. The
+projections go through `ops.linear` (F.linear in the reference table, so a compiled decode graph
+is unchanged), which lets the eager CPU path give them its own kernels. Parameters carry a
+ShardSpec saying which part of the full tensor they hold (the loader reads only that part).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from executor import ops
 from executor.parallel.groups import Shard, all_gather_last
 from executor.parallel.shards import mark, rows
 
@@ -49,6 +51,9 @@ class QKVParallelLinear(nn.Linear):
             if bias:
                 mark(self.bias, (q + 2 * kv,), (parts,))
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
 
 class MergedColumnParallelLinear(nn.Linear):
     """Fused [gate | up] projection (no bias); this rank's block of each part."""
@@ -58,6 +63,9 @@ class MergedColumnParallelLinear(nn.Linear):
         super().__init__(hidden, 2 * (b - a), bias=False)
         if shard.size > 1:
             mark(self.weight, (2 * intermediate, hidden), (((a, b), (intermediate + a, intermediate + b)), None))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight)
 
 
 class RowParallelLinear(nn.Linear):
@@ -72,8 +80,8 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard.size == 1:
-            return super().forward(x)
-        y = self.shard.reduce(F.linear(x, self.weight))
+            return ops.linear(x, self.weight, self.bias)
+        y = self.shard.reduce(ops.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -111,9 +119,9 @@ class ParallelLMHead(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard.size == 1:
-            return super().forward(x)
+            return ops.linear(x, self.weight)
         x = self.shard.gather_rows(x)
-        logits = all_gather_last(F.linear(x, self.weight), self.shard.group, self.shard.log)
+        logits = all_gather_last(ops.linear(x, self.weight), self.shard.group, self.shard.log)
         return self.shard.own_rows(logits)
 
 

@@ -1,0 +1,304 @@
+// CPU kernels of cann_cpu::rms_norm, add_rms_norm, swiglu and rotary_mul (schemas and use:
+// executor/backends/eager_pointwise.py).
+//
+// Each computes its executor.ops reference function (executor/ops/reference.py) in one pass over
+// its rows, rounding where the reference rounds: every intermediate the reference holds as a
+// bf16 tensor is rounded to bf16 here too (to nearest even, as PyTorch does), and the exp is the
+// one PyTorch's silu uses. On random inputs every result was bit-equal to the reference's in both
+// dtypes; a norm can differ by one rounding where its sum is ordered differently.
+//
+// Why: the reference writes each op as 4-8 aten calls, each a pass over memory with its own
+// dispatch, dtype casts and temporaries. At the Qwen3-0.6B shape with a 128-token prompt one
+// layer's norms, RoPEs and SwiGLU took 0.61-0.81x the reference's time, and the bf16 prefill
+// 0.94x (BENCHMARKS.md, "thirteenth pass"). The compiled decode step does not come here:
+// Inductor fuses the reference there.
+//
+// Rows are handled in blocks of two float vectors, so rows of any length work (a partial block
+// at the end of a row).
+
+// ATen's vector types at the width this file is compiled for (the CPU's flags, set by
+// executor/custom_ops/_build.py): AVX-512 or AVX2 where the compiler targets them, plain C++ loops
+// elsewhere. Their exp is the one PyTorch's own CPU kernels call (SLEEF, in libtorch_cpu).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define CPU_CAPABILITY_AVX512
+#define CPU_CAPABILITY AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX2
+#define CPU_CAPABILITY AVX2
+#endif
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kGrainElems = 16384;  // elements per parallel chunk, at least (a thread wakes for no less)
+
+// Values of a row in blocks of two float vectors: load, store (a partial block at a row's end)
+// and round to the tensor's dtype, to nearest even as PyTorch rounds (nothing to do for fp32).
+template <typename T>
+struct Io;
+
+template <>
+struct Io<float> {
+  static constexpr int64_t kBlock = 2 * Vec::size();
+  static void load(const float* p, int64_t n, Vec& a, Vec& b) {
+    if (n == kBlock) {
+      a = Vec::loadu(p);
+      b = Vec::loadu(p + Vec::size());
+    } else {
+      a = Vec::loadu(p, std::min<int64_t>(n, Vec::size()));
+      b = n > Vec::size() ? Vec::loadu(p + Vec::size(), n - Vec::size()) : Vec(0.0f);
+    }
+  }
+  static void store(float* p, int64_t n, const Vec& a, const Vec& b) {
+    if (n == kBlock) {
+      a.store(p);
+      b.store(p + Vec::size());
+    } else {
+      a.store(p, std::min<int64_t>(n, Vec::size()));
+      if (n > Vec::size()) b.store(p + Vec::size(), n - Vec::size());
+    }
+  }
+  static void round(Vec&, Vec&) {}
+};
+
+template <>
+struct Io<at::BFloat16> {
+  using B = at::vec::Vectorized<at::BFloat16>;
+  static constexpr int64_t kBlock = B::size();
+  static_assert(B::size() == 2 * Vec::size(), "a bf16 vector holds two float vectors");
+  static void load(const at::BFloat16* p, int64_t n, Vec& a, Vec& b) {
+    std::tie(a, b) = at::vec::convert_to_float<at::BFloat16>(n == kBlock ? B::loadu(p) : B::loadu(p, n));
+  }
+  static void store(at::BFloat16* p, int64_t n, const Vec& a, const Vec& b) {
+    const B v = at::vec::convert_from_float<at::BFloat16>(a, b);
+    n == kBlock ? v.store(p) : v.store(p, n);
+  }
+  static void round(Vec& a, Vec& b) {
+    a = round(a);
+    b = round(b);
+  }
+  // Within fp32, as the conversion rounds: add 0x7FFF plus the lowest bit that stays, clear the
+  // 16 bits that go; a NaN stays NaN.
+  static Vec round(const Vec& v) {
+    using I = at::vec::Vectorized<int32_t>;
+    const I bits = at::vec::cast<int32_t>(v);
+    const I rounded = (bits + I(0x7FFF) + ((bits >> I(16)) & I(1))) & I(static_cast<int32_t>(0xFFFF0000u));
+    return Vec::blendv(v, at::vec::cast<float>(rounded), v == v);
+  }
+};
+
+// The rows of `x` (..., D) as pointers: leading dims in any layout, each row contiguous.
+template <typename T>
+std::vector<T*> row_pointers(const at::Tensor& x) {
+  const int64_t dims = x.dim() - 1;
+  const std::vector<int64_t> size(x.sizes().begin(), x.sizes().end() - 1), stride(x.strides().begin(), x.strides().end() - 1);
+  std::vector<T*> out(x.numel() / x.size(-1));
+  std::vector<int64_t> index(dims, 0);
+  T* row = static_cast<T*>(x.data_ptr());
+  for (T*& p : out) {  // the next row: the last leading dim steps, a finished dim rewinds and carries
+    p = row;
+    for (int64_t d = dims - 1; d >= 0; --d) {
+      row += stride[d];
+      if (++index[d] < size[d]) break;
+      row -= stride[d] * size[d];
+      index[d] = 0;
+    }
+  }
+  return out;
+}
+
+int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(width, 1)); }
+
+// Two float vectors: one block of a row.
+struct Pair {
+  Vec a, b;
+  Pair operator+(const Pair& o) const { return {a + o.a, b + o.b}; }
+  Pair operator*(const Pair& o) const { return {a * o.a, b * o.b}; }
+  Pair operator-() const { return {a.neg(), b.neg()}; }
+};
+
+template <typename T>
+Pair load(const T* p, int64_t n) {
+  Pair v;
+  Io<T>::load(p, n, v.a, v.b);
+  return v;
+}
+
+template <typename T>
+void store(T* p, int64_t n, const Pair& v) {
+  Io<T>::store(p, n, v.a, v.b);
+}
+
+template <typename T>
+Pair round(Pair v) {  // the value a tensor of dtype T would hold
+  Io<T>::round(v.a, v.b);
+  return v;
+}
+
+template <typename Fn>
+void by_dtype(const at::Tensor& x, Fn&& fn) {
+  if (x.scalar_type() == at::kBFloat16)
+    fn(at::BFloat16{});
+  else
+    fn(float{});
+}
+
+// y = w * round(x rsqrt(mean(x^2) + eps)); with `residual`, x is first round(x + residual),
+// which is also written to `sum_out`. The row is kept as fp32 between its two passes.
+template <typename T>
+void norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps, at::Tensor& y,
+               at::Tensor* sum_out) {
+  constexpr int64_t kB = Io<T>::kBlock;
+  const int64_t D = x.size(-1);
+  const auto xs = row_pointers<T>(x);
+  const auto rs = residual ? row_pointers<T>(*residual) : std::vector<T*>();
+  const T* w = static_cast<const T*>(weight.data_ptr());
+  T* out = static_cast<T*>(y.data_ptr());
+  T* sums = sum_out ? static_cast<T*>(sum_out->data_ptr()) : nullptr;
+  at::parallel_for(0, static_cast<int64_t>(xs.size()), grain_rows(D), [&](int64_t begin, int64_t end) {
+    std::vector<Pair> row((D + kB - 1) / kB);
+    for (int64_t r = begin; r < end; ++r) {
+      Pair acc{Vec(0.0f), Vec(0.0f)};
+      for (int64_t i = 0, j = 0; i < D; i += kB, ++j) {
+        const int64_t n = std::min(kB, D - i);
+        Pair v = load(xs[r] + i, n);
+        if (residual) {
+          v = round<T>(v + load(rs[r] + i, n));
+          store(sums + r * D + i, n, v);
+        }
+        row[j] = v;
+        acc.a = at::vec::fmadd(v.a, v.a, acc.a);
+        acc.b = at::vec::fmadd(v.b, v.b, acc.b);
+      }
+      const float ss = at::vec::vec_reduce_all<float>([](Vec p, Vec q) { return p + q; }, acc.a + acc.b);
+      const Vec inv(1.0f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps)));
+      for (int64_t i = 0, j = 0; i < D; i += kB, ++j) {
+        const int64_t n = std::min(kB, D - i);
+        store(out + r * D + i, n, load(w + i, n) * round<T>(row[j] * Pair{inv, inv}));
+      }
+    }
+  });
+}
+
+void check_norm(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() >= 1 && x.stride(-1) == 1, "rms_norm: x must have contiguous rows");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1) && weight.is_contiguous(),
+              "rms_norm: weight must be a contiguous (D,) vector");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: x and weight must have one dtype");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "rms_norm: bf16 or fp32 only");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm(x, weight);
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  by_dtype(x, [&](auto zero) { norm_rows<decltype(zero)>(x, nullptr, weight, eps, y, nullptr); });
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  check_norm(x, weight);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() && residual.stride(-1) == 1,
+              "add_rms_norm: residual must match x");
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  at::Tensor sum = at::empty(x.sizes(), x.options());
+  by_dtype(x, [&](auto zero) { norm_rows<decltype(zero)>(x, &residual, weight, eps, y, &sum); });
+  return {y, sum};
+}
+
+// The exp PyTorch's silu kernel uses for dtype T (measured equal on 393K values): the fast one
+// (ULP 20) for bf16, whose result is rounded to 8 bits anyway, SLEEF's (ULP 1) for fp32.
+template <typename T>
+Vec exp_of(const Vec& x) {
+  if constexpr (std::is_same_v<T, float>)
+    return x.exp();
+  else
+    return x.exp_u20();
+}
+
+// out = round(round(silu(a)) * b) for x = [a | b] along the last dim; silu(a) = a / (1 + exp(-a)).
+template <typename T>
+void swiglu_rows(const at::Tensor& x, at::Tensor& y) {
+  constexpr int64_t kB = Io<T>::kBlock;
+  const int64_t half = y.size(-1);
+  const auto xs = row_pointers<T>(x);
+  T* out = static_cast<T*>(y.data_ptr());
+  const Vec one(1.0f);
+  at::parallel_for(0, static_cast<int64_t>(xs.size()), grain_rows(half), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t i = 0; i < half; i += kB) {
+        const int64_t n = std::min(kB, half - i);
+        const Pair g = load(xs[r] + i, n);
+        const Pair silu{g.a / (one + exp_of<T>(g.a.neg())), g.b / (one + exp_of<T>(g.b.neg()))};
+        store(out + r * half + i, n, round<T>(silu) * load(xs[r] + half + i, n));
+      }
+    }
+  });
+}
+
+at::Tensor swiglu(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1 && x.stride(-1) == 1 && x.size(-1) % 2 == 0, "swiglu: x must have even, contiguous rows");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "swiglu: bf16 or fp32 only");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() /= 2;
+  at::Tensor y = at::empty(shape, x.options());
+  by_dtype(x, [&](auto zero) { swiglu_rows<decltype(zero)>(x, y); });
+  return y;
+}
+
+// out = round(round(x cos) + round(rotate_half(x) sin)), rotate_half(x) = [-x2 | x1].
+template <typename T>
+void rotary_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& y) {
+  constexpr int64_t kB = Io<T>::kBlock;
+  const int64_t D = x.size(-1), half = D / 2;
+  const auto xs = row_pointers<T>(x);
+  const auto cs = row_pointers<T>(cos);
+  const auto ss = row_pointers<T>(sin);
+  T* out = static_cast<T*>(y.data_ptr());
+  at::parallel_for(0, static_cast<int64_t>(xs.size()), grain_rows(D), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T *xr = xs[r], *c = cs[r], *s = ss[r];
+      T* yr = out + r * D;
+      for (int64_t i = 0; i < half; i += kB) {
+        const int64_t n = std::min(kB, half - i), h = i + half;
+        const Pair lo = load(xr + i, n), hi = load(xr + h, n);
+        store(yr + i, n, round<T>(round<T>(lo * load(c + i, n)) + round<T>(-hi * load(s + i, n))));
+        store(yr + h, n, round<T>(round<T>(hi * load(c + h, n)) + round<T>(lo * load(s + h, n))));
+      }
+    }
+  });
+}
+
+at::Tensor rotary_mul(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() >= 1 && x.stride(-1) == 1 && x.size(-1) % 2 == 0, "rotary_mul: x must have even, contiguous rows");
+  TORCH_CHECK(cos.sizes() == x.sizes() && sin.sizes() == x.sizes() && cos.stride(-1) == 1 && sin.stride(-1) == 1,
+              "rotary_mul: cos and sin must be expanded to x's shape, rows contiguous");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "rotary_mul: x, cos and sin must have one dtype");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "rotary_mul: bf16 or fp32 only");
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  by_dtype(x, [&](auto zero) { rotary_rows<decltype(zero)>(x, cos, sin, y); });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(cann_cpu, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("add_rms_norm", add_rms_norm);
+  m.impl("swiglu", swiglu);
+  m.impl("rotary_mul", rotary_mul);
+}

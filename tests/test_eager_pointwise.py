@@ -1,0 +1,148 @@
+"""The eager CPU path's norms, SwiGLU and RoPE (executor.backends.eager_pointwise, csrc/pointwise.cpp)
+and how the eager kernels are put over the op table (executor.ops.over_reference,
+executor.backends.eager_kernels).
+
+The kernels are held to the reference functions they replace (executor.ops.reference), which
+the parity tests hold to transformers: in bf16 they round where the reference rounds, so RoPE is
+bit-exact and the others may differ only by a rounding step; in fp32 to within a few ulps.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from executor import ops
+from executor.backends import eager_pointwise
+from executor.backends.eager_kernels import KernelTable
+from executor.backends.eager_pointwise import PointwiseKernels
+from executor.ops import reference
+
+REPO = Path(__file__).resolve().parents[1]
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    if not eager_pointwise.kernel_runs():
+        pytest.skip("no compiler to build the kernels")
+
+
+def assert_like_reference(got, want, exact: bool):
+    """bf16: equal, or (not `exact`) one rounding step apart in a few elements; fp32: a few ulps."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=4e-6, atol=1e-6)
+        return
+    if exact:
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        return
+    differ = got != want
+    assert differ.float().mean() < 0.01
+    torch.testing.assert_close(got[differ].float(), want[differ].float(), rtol=2**-7, atol=1e-6)
+
+
+def heads(s=37, dtype=torch.bfloat16, seed=0):
+    """q and k as the model makes them: (B, S, H, D) views of one fused projection, rows strided."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = (3 * torch.randn(2, s, (4 + 2 + 2) * 64, generator=g)).to(dtype)
+    q, k, _v = qkv.split([4 * 64, 2 * 64, 2 * 64], dim=-1)
+    return q.view(2, s, 4, 64), k.view(2, s, 2, 64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+def test_norms_match_the_reference(kernels, dtype):
+    g = torch.Generator().manual_seed(1)
+    x, residual = (torch.randn(2, 2, 37, 1000, generator=g) * 4).to(dtype)  # 1000: a partial vector block
+    weight = torch.randn(1000, generator=g).to(dtype)
+    q, _k = heads(dtype=dtype)
+    qw = torch.randn(64, generator=g).to(dtype)
+    fns = PointwiseKernels()
+    assert_like_reference(fns.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6), exact=False)
+    assert_like_reference(fns.rms_norm(q, qw, 1e-5), reference.rms_norm(q, qw, 1e-5), exact=False)
+    got_y, got_sum = fns.add_rms_norm(x, residual, weight, 1e-6)
+    want_y, want_sum = reference.add_rms_norm(x, residual, weight, 1e-6)
+    assert_like_reference(got_sum, want_sum, exact=True)  # one rounded add
+    assert_like_reference(got_y, want_y, exact=False)
+    assert fns.calls == 3
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+def test_swiglu_and_rotary_match_the_reference(kernels, dtype):
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(3, 5, 2 * 700, generator=g) * 6).to(dtype)  # large |gate|: exp's range
+    x[0, 0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -100.0])
+    fns = PointwiseKernels()
+    got, want = fns.swiglu(x), reference.swiglu(x)
+    assert got[0, 0, :3].isnan().all() == want[0, 0, :3].isnan().all()
+    assert_like_reference(got[..., 4:], want[..., 4:], exact=False)
+
+    from models.qwen.models.modeling_qwen import rope_cos_sin
+
+    q, k = heads(dtype=dtype)
+    cos, sin = rope_cos_sin(torch.arange(37).expand(2, 37), 64, 1e4, dtype)  # (B, 1, S, D): broadcast over heads
+    for t in (q.transpose(1, 2), k.transpose(1, 2)):  # (B, H, S, D) views
+        assert_like_reference(fns.rotary_mul(t, cos, sin), reference.rotary_mul(t, cos, sin), exact=True)
+    assert fns.calls == 3
+
+
+def test_calls_the_kernels_do_not_take_run_the_reference(kernels):
+    fns = PointwiseKernels()
+    half = torch.randn(4, 64).half()
+    torch.testing.assert_close(fns.swiglu(half), reference.swiglu(half), rtol=0, atol=0)
+    w = torch.randn(64, requires_grad=True)
+    y = fns.rms_norm(torch.randn(4, 64), w, 1e-6)  # a graph to record: autograd needs the reference
+    assert y.requires_grad
+    columns = torch.randn(64, 4).t()  # rows not contiguous
+    torch.testing.assert_close(fns.rms_norm(columns, w.detach(), 1e-6), reference.rms_norm(columns, w.detach(), 1e-6))
+    assert fns.calls == 0
+
+
+def test_over_reference_replaces_only_reference_entries_and_restores_them():
+    ops.register("test_over_reference", {"swiglu": lambda x: 2 * reference.swiglu(x)}, base="reference")
+    table = KernelTable().functions()
+    x = torch.randn(2, 8)
+    with ops.using("test_over_reference"):
+        before = ops.implementations()
+        with ops.over_reference(table):
+            now = ops.implementations()
+            torch.testing.assert_close(ops.swiglu(x), 2 * reference.swiglu(x))  # the table's own entry stays
+        assert ops.implementations() == before
+    assert now["swiglu"] == before["swiglu"]
+    assert now["rms_norm"].startswith("executor.backends.eager_pointwise.")
+    assert now["linear"].startswith("executor.backends.eager_linear.")
+    assert now["kv_update"] == before["kv_update"]  # not one the kernels provide
+    with pytest.raises(ValueError, match="unknown ops"), ops.over_reference({"softmax": reference.swiglu}):
+        pass
+
+
+def test_the_runner_prefill_runs_the_kernels(kernels, qwen3_ckpt, make_qwen_runner):
+    runner = make_qwen_runner(qwen3_ckpt)
+    runner.generate([[5, 6, 7, 8]], 2)
+    metrics = runner.prefill_kernels.to_metrics()["prefill_pointwise"]
+    layers = runner.arch.num_layers
+    # per layer: input norm, q and k norms, two RoPEs, add + norm, SwiGLU; then the final norm
+    assert metrics == {"kernel": "cann_cpu::pointwise", "kernel_calls": 7 * layers + 1}
+
+
+def test_no_compiler_is_one_line_and_the_reference_runs(tmp_path):
+    env = dict(os.environ, CXX=str(tmp_path / "no" / "g++"), CANN_RECIPES_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    code = (
+        "import torch\n"
+        "from executor.backends.eager_pointwise import PointwiseKernels\n"
+        "from executor.ops import reference\n"
+        "fns, x = PointwiseKernels(), torch.randn(3, 64)\n"
+        "for _ in range(3):\n"
+        "    torch.testing.assert_close(fns.swiglu(x), reference.swiglu(x), rtol=0, atol=0)\n"
+        "print('calls', fns.calls)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[eager_pointwise]")]
+    assert len(lines) == 1 and "run on the reference instead" in lines[0], proc.stdout
+    assert proc.stdout.rstrip().endswith("calls 0")
