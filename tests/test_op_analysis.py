@@ -110,8 +110,10 @@ def test_linear_flops_are_exactly_the_architectures(cli_run):
 def test_mapping_names_torchairs_converters_and_the_fused_npu_ops(cli_run):
     g = cli_run["json"]["graph"]
     rows = {m["target"]: m for m in g["mapping"]}
-    assert rows["aten.mm.default"]["converter"] == "converter" and rows["aten.mm.default"]["entries"] == []
-    for source in rows["aten.mm.default"]["sources"]:
+    mm = rows["aten.mm.default"]
+    assert mm["converter"] == "converter" and mm["entries"] == ["linear"]  # ops.linear: plain aten on NPU too
+    assert mm["npu"] == ["linear: plain aten ops in the NPU table too"]
+    for source in mm["sources"]:
         assert re.search(r"proj|lm_head", model_line(source)), source
     rsqrt = rows["aten.rsqrt.default"]
     assert set(rsqrt["entries"]) == {"rms_norm", "add_rms_norm"} and rsqrt["in_model_code"] == 0
