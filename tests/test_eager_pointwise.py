@@ -9,11 +9,6 @@ bit-exact and the others may differ only by a rounding step; in fp32 to within a
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -22,8 +17,8 @@ from executor.backends import eager_pointwise
 from executor.backends.eager_kernels import KernelTable
 from executor.backends.eager_pointwise import PointwiseKernels
 from executor.ops import reference
+from tests.no_compiler import run_without_compiler
 
-REPO = Path(__file__).resolve().parents[1]
 DTYPES = [torch.bfloat16, torch.float32]
 
 
@@ -131,7 +126,6 @@ def test_the_runner_prefill_runs_the_kernels(kernels, qwen3_ckpt, make_qwen_runn
 
 
 def test_no_compiler_is_one_line_and_the_reference_runs(tmp_path):
-    env = dict(os.environ, CXX=str(tmp_path / "no" / "g++"), CANN_RECIPES_EXTENSIONS_DIR=str(tmp_path / "ext"))
     code = (
         "import torch\n"
         "from executor.backends.eager_pointwise import PointwiseKernels\n"
@@ -141,8 +135,6 @@ def test_no_compiler_is_one_line_and_the_reference_runs(tmp_path):
         "    torch.testing.assert_close(fns.swiglu(x), reference.swiglu(x), rtol=0, atol=0)\n"
         "print('calls', fns.calls)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("[eager_pointwise]")]
-    assert len(lines) == 1 and "run on the reference instead" in lines[0], proc.stdout
-    assert proc.stdout.rstrip().endswith("calls 0")
+    line, stdout = run_without_compiler(tmp_path, code, "eager_pointwise")
+    assert "run on the reference instead" in line
+    assert stdout.rstrip().endswith("calls 0")

@@ -8,17 +8,11 @@ everywhere.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from executor.backends import packed_linear
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.no_compiler import run_without_compiler
 
 needs_kernel = pytest.mark.skipif(
     not packed_linear.kernel_runs(torch.bfloat16), reason="no AVX512-BF16 on this CPU, or the kernel could not be built"
@@ -120,7 +114,6 @@ def test_no_compiler_is_one_line_and_onednn_runs_the_call(tmp_path):
     same product through oneDNN (no error: the kernel is a lowering choice, not something asked for)."""
     if not packed_linear.supported(torch.float32):
         pytest.skip("this torch build has no oneDNN")
-    env = dict(os.environ, CXX=str(tmp_path / "no" / "g++"), CANN_RECIPES_EXTENSIONS_DIR=str(tmp_path / "ext"))
     code = (
         "import torch\n"
         "from executor.backends import packed_linear as p\n"
@@ -131,14 +124,9 @@ def test_no_compiler_is_one_line_and_onednn_runs_the_call(tmp_path):
         "torch.testing.assert_close(y, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)\n"
         "print('kept', p._packed.kept(w).dim())\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("[packed_linear]")]
-    assert len(lines) == 1, proc.stdout
-    assert str(tmp_path / "no" / "g++") in lines[0] and "run on oneDNN instead" in lines[0]
-    assert "model_config.custom_ops" not in lines[0]
-    assert proc.stdout.rstrip().endswith("kept 2")  # oneDNN's packed copy
-    assert not list((tmp_path / "ext").glob("*/*.so"))
+    line, stdout = run_without_compiler(tmp_path, code, "packed_linear")
+    assert "run on oneDNN instead" in line and "model_config.custom_ops" not in line
+    assert stdout.rstrip().endswith("kept 2")  # oneDNN's packed copy
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
