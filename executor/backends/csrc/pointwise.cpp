@@ -18,7 +18,7 @@
 
 // ATen's vector types at the width this file is compiled for (the CPU's flags, set by
 // executor/custom_ops/_build.py): AVX-512 or AVX2 where the compiler targets them, plain C++ loops
-// elsewhere. Their exp is the one PyTorch's own CPU kernels call (SLEEF, in libtorch_cpu).
+// elsewhere. Their exps are the ones PyTorch's own CPU kernels call (SLEEF from libtorch_cpu, or the fast one).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define CPU_CAPABILITY_AVX512
 #define CPU_CAPABILITY AVX512
