@@ -73,6 +73,23 @@ def test_kernel_several_query_rows_and_a_mask_with_holes(kernel):
     torch.testing.assert_close(kernel(q, k, v, mask, 0.2), sdpa(q, k, v, mask, 0.2), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("d", [128, 40])  # whole vectors (read in place in fp32) / a padded last vector
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_blocks_of_slots_with_masked_garbage_inside(kernel, d, dtype):
+    """Over 32 slots (several blocks of the kernel), holes across a block edge whose cache rows hold
+    NaN (a slot never written): they must weigh nothing, in the widened and the in-place path."""
+    q, k, v, mask = case(hq=8, hkv=2, t=100, d=d, positions=((70,), (99,)), dtype=dtype)
+    mask = mask.clone()
+    mask[1, 0, :, 28:37] = True
+    clean_k, clean_v = k.clone(), v.clone()
+    k[1, :, 28:37] = float("nan")
+    v[1, :, 28:37] = float("nan")
+    out = kernel(q, k, v, mask, d**-0.5)
+    want = sdpa(q, clean_k, clean_v, mask, d**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kernel_half_precision_accumulates_in_fp32(kernel, dtype):
     q, k, v, mask = case(dtype=dtype, t=300, positions=((150,), (299,)))

@@ -58,9 +58,14 @@ def build_key(name: str, sources: list[Path]) -> str:
     h = hashlib.sha256()
     for part in (name, torch.__version__, sys.version, sys.platform, *compile_flags(), *LDFLAGS):
         h.update(part.encode() + b"\0")
-    for src in sources:
+    for src in [*sources, *headers()]:
         h.update(src.name.encode() + b"\0" + src.read_bytes())
     return h.hexdigest()[:16]
+
+
+def headers() -> list[Path]:
+    """The shared headers every kernel build can include (CSRC is on its include path)."""
+    return sorted(CSRC.glob("*.h"))
 
 
 def compiler() -> str:
@@ -133,6 +138,7 @@ def load_kernel(op: str, library: str, sources: list[str], remedy: str = CUSTOM_
                 [str(p) for p in paths],
                 extra_cflags=list(compile_flags()),
                 extra_ldflags=list(LDFLAGS),
+                extra_include_paths=[str(CSRC)],
                 build_directory=str(build_dir),
                 is_python_module=False,
                 verbose=False,

@@ -16,21 +16,13 @@
 // Rows are handled in blocks of two float vectors, so rows of any length work (a partial block
 // at the end of a row).
 
-// ATen's vector types at the width this file is compiled for (the CPU's flags, set by
-// executor/custom_ops/_build.py): AVX-512 or AVX2 where the compiler targets them, plain C++ loops
-// elsewhere. Their exps are the ones PyTorch's own CPU kernels call (SLEEF from libtorch_cpu, or the fast one).
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define CPU_CAPABILITY_AVX512
-#define CPU_CAPABILITY AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX2
-#define CPU_CAPABILITY AVX2
-#endif
+// ATen's vector types at the width this file is compiled for (cpu_vec.h, in
+// executor/custom_ops/csrc/). Their exps are the ones PyTorch's own CPU kernels call (SLEEF from
+// libtorch_cpu, or the fast one).
+#include "cpu_vec.h"  // first: ATen's vector width
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <algorithm>

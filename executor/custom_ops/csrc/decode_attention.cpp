@@ -4,11 +4,25 @@
 // (B, Hkv, T, D); mask (B, 1, S, T) bool, True = masked out; returns (B, Hq, S, D) in q's dtype.
 //
 // Why a kernel: the masked reference scores all T cache slots, so a decode step at position p
-// costs what max_len says. Here each (batch, kv head, query row) finds its last unmasked slot L
-// in its mask row and reads slots [0, L] only (masked slots inside that range are skipped), so
-// the cost follows the KV bytes that are valid. The Hq / Hkv query heads that share a kv head
-// are done together, so each K and V row is read once. Softmax and accumulation run in fp32
-// (inputs fp32, bf16 or fp16). A row with no unmasked slot gives NaN, as the reference does.
+// costs what max_len says. Here each (batch, query row) finds its last unmasked slot L in its
+// mask row (once, for all heads) and reads slots [0, L] only (masked slots inside that range are
+// skipped), so the cost follows the KV bytes that are valid. The Hq / Hkv query heads that share
+// a kv head are done together, so each K and V row is read and widened to fp32 once. Softmax and
+// accumulation run in fp32 (inputs fp32, bf16 or fp16). A row with no unmasked slot gives NaN,
+// as the reference does.
+//
+// The loops run on ATen's vector types (cpu_vec.h: AVX-512 or AVX2 where compiled for, plain C++
+// elsewhere). Slots go in blocks of 32: a block's K rows, then its V rows, are widened to fp32
+// once (fp32 rows are read in place), each query row's dot products read them from L1, and the
+// output rows accumulate in registers over the block. Against the first version (per-slot
+// widening, the output accumulated in memory) one Qwen3-0.6B-shaped layer took 0.62-0.84x the time
+// at batch 1-64 and up to 2k valid slots, bf16 and fp32 (BENCHMARKS.md, "fourteenth pass").
+//
+// Not done: bf16 K rows could feed AVX512-BF16's dot product without widening (as
+// executor/backends/csrc/causal_attention.cpp does); at 2k valid slots in bf16 this kernel is only
+// about level with the masked reference's oneDNN products (0.86x and 1.04x their time, two runs).
+
+#include "cpu_vec.h"  // first: ATen's vector width
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -17,10 +31,104 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kL = Vec::size();
+
+// Row `src` (n values of T) widened to fp32 into `dst`.
+template <typename T>
+inline void widen(const T* src, int64_t n, float* dst) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(dst, src, n * sizeof(float));
+  } else {
+    at::vec::convert(src, dst, n);
+  }
+}
+
+// Last unmasked slot of a mask row (T bools, stride ms3), or -1. Eight slots per step where the
+// row is contiguous: at 16k slots and a 2k position the tail is mostly masked.
+int64_t last_valid(const bool* m, int64_t T, int64_t ms3) {
+  int64_t t = T;
+  if (ms3 == 1) {
+    constexpr uint64_t kAll = 0x0101010101010101ull;
+    while (t >= 8) {
+      uint64_t word;
+      std::memcpy(&word, m + t - 8, 8);
+      if (word != kAll) break;
+      t -= 8;
+    }
+  }
+  while (t > 0 && m[(t - 1) * ms3]) --t;
+  return t - 1;
+}
+
+// sum(a[0:n] * b[0:n]) in fp32, n a multiple of kL
+inline float dot(const float* a, const float* b, int64_t n) {
+  Vec acc(0.0f);
+  for (int64_t d = 0; d < n; d += kL) acc = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc);
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+}
+
+// softmax over row[0:n] in place, returns the sum of the exps (masked entries are -inf: exp 0)
+float exp_row(float* row, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, row[t]);
+  const Vec vmx(mx);
+  Vec vsum(0.0f);
+  int64_t t = 0;
+  for (; t + kL <= n; t += kL) {
+    const Vec e = (Vec::loadu(row + t) - vmx).exp();
+    e.store(row + t);
+    vsum = vsum + e;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, vsum);
+  for (; t < n; ++t) {
+    row[t] = std::exp(row[t] - mx);
+    sum += row[t];
+  }
+  return sum;
+}
+
+constexpr int64_t kBlock = 32;  // cache slots widened to fp32 at a time (32 x 128 fp32 = 16 KiB)
+
+// Rows t = 0..nb-1 of `src` (row stride `stride`) as fp32 rows: returns where they are and their
+// stride. fp32 rows are read in place where they fill whole vectors and no slot of the block is
+// masked; otherwise they are widened into `dst` (row stride Dv), a masked slot's row as zeros (a
+// slot never written may hold anything, and its weight is 0).
+template <typename T>
+std::pair<const float*, int64_t> fp32_rows(const T* src, int64_t stride, const bool* m, int64_t ms, int64_t nb,
+                                           int64_t D, int64_t Dv, float* dst) {
+  bool any_masked = false;
+  for (int64_t t = 0; t < nb; ++t) any_masked |= m[t * ms];
+  if constexpr (std::is_same_v<T, float>) {
+    if (!any_masked && D == Dv) return {src, stride};
+  }
+  for (int64_t t = 0; t < nb; ++t) {
+    if (m[t * ms])
+      std::fill(dst + t * Dv, dst + t * Dv + D, 0.0f);
+    else
+      widen(src + t * stride, D, dst + t * Dv);
+  }
+  return {dst, Dv};
+}
+
+// acc[0 : NV vectors] += sum over t < nb of p[t] * rows[t * stride : ...], the sums kept in registers
+template <int NV>
+inline void accumulate(const float* p, const float* rows, int64_t stride, int64_t nb, float* acc) {
+  Vec a[NV];
+  for (int j = 0; j < NV; ++j) a[j] = Vec::loadu(acc + j * kL);
+  for (int64_t t = 0; t < nb; ++t) {
+    const Vec pt(p[t]);
+    for (int j = 0; j < NV; ++j) a[j] = at::vec::fmadd(pt, Vec::loadu(rows + t * stride + j * kL), a[j]);
+  }
+  for (int j = 0; j < NV; ++j) a[j].store(acc + j * kL);
+}
 
 template <typename scalar_t>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, double scale,
@@ -28,6 +136,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   const int64_t B = q.size(0), Hq = q.size(1), S = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), G = Hq / Hkv;
   const int64_t T = k.size(2);
+  const int64_t Dv = (D + kL - 1) / kL * kL;  // fp32 rows padded to whole vectors (zeros past D)
   const scalar_t* qp = q.data_ptr<scalar_t>();  // contiguous (B, Hq, S, D)
   const scalar_t* kp = k.data_ptr<scalar_t>();  // last dim contiguous; other strides as given
   const scalar_t* vp = v.data_ptr<scalar_t>();
@@ -38,62 +147,63 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   const int64_t ms0 = mask.stride(0), ms2 = mask.stride(2), ms3 = mask.stride(3);
   const float fscale = static_cast<float>(scale);
 
+  std::vector<int64_t> last(B * S);  // per (b, s): the same for every head
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0; s < S; ++s) last[b * S + s] = last_valid(mp + b * ms0 + s * ms2, T, ms3);
+
   // one work item = (b, kv head h, query row s); grain 1: items are few and each is long
   at::parallel_for(0, B * Hkv * S, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores, rowmax(G), rowsum(G);
+    std::vector<float> qf(G * Dv, 0.0f), acc(G * Dv), rows(kBlock * Dv, 0.0f), inv(G), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item % S, h = (item / S) % Hkv, b = item / (S * Hkv);
       const bool* m = mp + b * ms0 + s * ms2;
-      int64_t last = T - 1;
-      while (last >= 0 && m[last * ms3]) --last;  // the slots after the last valid one are never read
+      const int64_t n = last[b * S + s] + 1;
       scalar_t* o0 = op + ((b * Hq + h * G) * S + s) * D;
-      if (last < 0) {
+      if (n == 0) {
         for (int64_t g = 0; g < G; ++g)
           std::fill(o0 + g * S * D, o0 + g * S * D + D, static_cast<scalar_t>(std::numeric_limits<float>::quiet_NaN()));
         continue;
       }
-      const int64_t n = last + 1;
       for (int64_t g = 0; g < G; ++g) {  // the scaled query rows of this kv head's group, in fp32
-        const scalar_t* qr = qp + ((b * Hq + h * G + g) * S + s) * D;
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(qr[d]) * fscale;
+        float* qg = qf.data() + g * Dv;
+        widen(qp + ((b * Hq + h * G + g) * S + s) * D, D, qg);
+        for (int64_t d = 0; d < D; ++d) qg[d] *= fscale;
       }
-      scores.assign(G * n, -std::numeric_limits<float>::infinity());
-      for (int64_t t = 0; t < n; ++t) {
-        if (m[t * ms3]) continue;
-        const scalar_t* kr = kp + b * ks0 + h * ks1 + t * ks2;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * D;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qg[d] * static_cast<float>(kr[d]);
-          scores[g * n + t] = dot;
-        }
+      scores.resize(G * n);
+      const scalar_t* kr = kp + b * ks0 + h * ks1;
+      for (int64_t t0 = 0; t0 < n; t0 += kBlock) {  // scores of a block of slots, all G rows
+        const int64_t nb = std::min(kBlock, n - t0);
+        const auto [kb, kstride] = fp32_rows(kr + t0 * ks2, ks2, m + t0 * ms3, ms3, nb, D, Dv, rows.data());
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t t = 0; t < nb; ++t)
+            scores[g * n + t0 + t] = m[(t0 + t) * ms3] ? -std::numeric_limits<float>::infinity()
+                                                       : dot(qf.data() + g * Dv, kb + t * kstride, Dv);
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * n;
-        const float mx = *std::max_element(sg, sg + n);
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) {
-          sg[t] = std::exp(sg[t] - mx);  // masked: exp(-inf) = 0
-          sum += sg[t];
-        }
-        rowsum[g] = sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < n; ++t) {
-        if (m[t * ms3]) continue;
-        const scalar_t* vr = vp + b * vs0 + h * vs1 + t * vs2;
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * n + t];
-          float* ag = acc.data() + g * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] += p * static_cast<float>(vr[d]);
-        }
+      for (int64_t g = 0; g < G; ++g) inv[g] = 1.0f / exp_row(scores.data() + g * n, n);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      const scalar_t* vr = vp + b * vs0 + h * vs1;
+      for (int64_t t0 = 0; t0 < n; t0 += kBlock) {  // acc += p V over a block of slots, in registers
+        const int64_t nb = std::min(kBlock, n - t0);
+        const auto [vb, vstride] = fp32_rows(vr + t0 * vs2, vs2, m + t0 * ms3, ms3, nb, D, Dv, rows.data());
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t d = 0; d < Dv; d += Dv - d >= 4 * kL ? 4 * kL : kL) {
+            const float* pg = scores.data() + g * n + t0;
+            if (Dv - d >= 4 * kL)
+              accumulate<4>(pg, vb + d, vstride, nb, acc.data() + g * Dv + d);
+            else
+              accumulate<1>(pg, vb + d, vstride, nb, acc.data() + g * Dv + d);
+          }
       }
       for (int64_t g = 0; g < G; ++g) {
+        float* ag = acc.data() + g * Dv;
+        const Vec vinv(inv[g]);
+        for (int64_t d = 0; d < Dv; d += kL) (Vec::loadu(ag + d) * vinv).store(ag + d);
         scalar_t* og = o0 + g * S * D;
-        const float inv = 1.f / rowsum[g];
-        for (int64_t d = 0; d < D; ++d) og[d] = static_cast<scalar_t>(acc[g * D + d] * inv);
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          std::memcpy(og, ag, D * sizeof(float));
+        } else {
+          at::vec::convert(ag, og, D);
+        }
       }
     }
   });
