@@ -19,6 +19,10 @@ as the step time is the median of the steps: the VM's bandwidth comes in bursts 
 seconds, and a best-of-7 reading caught one (18.5 ms where its median was 34.3, for the 0.6B
 weights' bytes) while the steps around it ran at the slow rate, so ratios against it measured
 the VM, not the step (BENCHMARKS.md, "twelfth pass"). The machine line prints the best as well.
+The matmul rate is taken next to every mode too (column "TFLOP/s", best of 7 products each side)
+and flags the mode the same way: on a slow minute of the VM the start's best-of-20 once read 0.14
+fp32 TFLOP/s where minutes before and after it read 0.23, and every compute-bound mode of that
+run then "beat" its roofline (0.79x; BENCHMARKS.md, "fifteenth pass").
 
 bytes = weights (MoE: the router and the experts a batch is expected to touch) + the KV cache
 that is valid at the timed positions; FLOPs = 2 x parameters used per token x batch + attention.
@@ -46,7 +50,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -76,15 +79,29 @@ class Row:
     tokens: list[list[int]]  # greedy tokens per row
     calls: list = field(default_factory=list)  # with several ranks: the collectives of one decode step
     read_gbs: tuple[float, ...] = ()  # read bandwidth right before and right after the timed steps
+    tflops: tuple[float, ...] = ()  # matmul rate right before and right after the timed steps
     roof_ms: float = 0.0  # this mode's roofline (set when its batch's table is made)
 
-    def bandwidth(self, default: float) -> float:
-        """The read bandwidth this mode's roofline uses: the mean of its own readings, else `default`."""
-        return statistics.fmean(self.read_gbs) if self.read_gbs else default
+    def roofline_ms(self, nbytes: float, flops: float, read_gbs: float, tflops: float) -> float:
+        """This mode's roofline: against the mean of its own readings of each rate, else the defaults."""
+        bw = statistics.fmean(self.read_gbs) if self.read_gbs else read_gbs
+        rate = statistics.fmean(self.tflops) if self.tflops else tflops
+        return max(nbytes / (bw * 1e9), flops / (rate * 1e12)) * 1e3
 
     def unsteady(self) -> bool:
-        """The machine's read bandwidth moved by more than 15% while this mode's steps were timed."""
-        return len(self.read_gbs) == 2 and max(self.read_gbs) > 1.15 * min(self.read_gbs)
+        """The machine's read bandwidth or matmul rate moved by more than 15% while this mode's steps
+        were timed."""
+        return moved(self.read_gbs) or moved(self.tflops)
+
+
+def moved(readings: tuple[float, ...]) -> bool:
+    """A before/after pair of readings more than 15% apart."""
+    return len(readings) == 2 and max(readings) > 1.15 * min(readings)
+
+
+def readings(values: tuple[float, ...], digits: int) -> str:
+    """A before/after cell, flagged when the two differ by more than 15%."""
+    return "/".join(f"{v:.{digits}f}" for v in values) + (" UNSTEADY" if moved(values) else "")
 
 
 def make_checkpoint(cfg: dict, path: Path, seed: int) -> None:
@@ -146,11 +163,12 @@ def _best(platform: Platform, fn, runs: int) -> float:
     return min(_times(platform, fn, runs))
 
 
-def matmul_tflops(platform: Platform, dtype: torch.dtype, n: int = 1536) -> float:
-    """Dense matmul rate in TFLOP/s for `dtype` (an n x n x n product, best of 20 per library):
+def matmul_tflops(platform: Platform, dtype: torch.dtype, n: int = 1536, runs: int = 20) -> float:
+    """Dense matmul rate in TFLOP/s for `dtype` (an n x n x n product, best of `runs` per library):
     the compute side of the roofline, what a large-batch or prefill step can at best reach on this
-    machine. Best of 20, not 5: on the shared reference VM five calls (~0.15 s) once read 0.11
-    TFLOP/s in fp32, below what the same run's batch-64 decode step reached (0.14)."""
+    machine. Best of 20 at the start, not 5: on the shared reference VM five calls (~0.15 s) once
+    read 0.11 TFLOP/s in fp32, below what the same run's batch-64 decode step reached (0.14). The
+    readings next to each mode take 7 (`Probe`)."""
     if platform.kind != "cpu":
         n = 8192  # an accelerator needs a large product to reach its rate
     a, b = (torch.randn(n, n, device=platform.kind).to(dtype) for _ in range(2))
@@ -161,7 +179,19 @@ def matmul_tflops(platform: Platform, dtype: torch.dtype, n: int = 1536) -> floa
         # (what the runner's prefill and batched decode use); a roofline on the slower one flatters.
         packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), n)
         products.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
-    return max(2 * n**3 / _best(platform, fn, 20) / 1e12 for fn in products)  # the warm-up creates oneDNN's primitive
+    return max(2 * n**3 / _best(platform, fn, runs) / 1e12 for fn in products)  # the warm-up creates oneDNN's primitive
+
+
+@dataclass
+class Probe:
+    """Both roofline rates, read right before and right after one mode's timed steps (~1 s each side
+    in fp32): (read GB/s, matmul TFLOP/s)."""
+
+    platform: Platform
+    dtype: torch.dtype
+
+    def __call__(self) -> tuple[float, float]:
+        return read_bandwidth_gbs(self.platform), matmul_tflops(self.platform, self.dtype, runs=7)
 
 
 def step_cost(arch: ModelArch, dtype_bytes: int, batch: int, context: int) -> tuple[float, float]:
@@ -196,7 +226,7 @@ def _stamps(platform: Platform):
 
 def hf_decode(
     path: Path, prompts: list[list[int]], steps: int, dtype: torch.dtype, compiled: bool, device: str = "cpu",
-    probe: Callable[[], float] | None = None,
+    probe: Probe | None = None,
 ) -> Row:  # fmt: skip
     """transformers' own generate: eager with its default (dynamic) cache, or what a user tries
     first for graph-mode decode: the static cache with the forward under torch.compile. Median
@@ -219,13 +249,13 @@ def hf_decode(
         stamp = _stamps(detect(device))
         before = probe() if probe else None
         out = model.generate(ids, stopping_criteria=transformers.StoppingCriteriaList([stamp]), **kwargs)
-        read_gbs = (before, probe()) if probe else ()
+        rates = tuple(zip(before, probe())) if probe else ((), ())
     deltas = [(b - a) * 1e3 for a, b in itertools.pairwise(stamp.times)]
     tokens = out[:, ids.shape[1] :].tolist()
     del model
     torch._dynamo.reset()
     name = "transformers static cache + torch.compile" if compiled else "transformers eager generate"
-    return Row(name, statistics.median(deltas), compile_s, tokens, read_gbs=read_gbs)
+    return Row(name, statistics.median(deltas), compile_s, tokens, read_gbs=rates[0], tflops=rates[1])
 
 
 LAYOUTS = {  # --layout -> parallel_config for N ranks
@@ -236,7 +266,7 @@ LAYOUTS = {  # --layout -> parallel_config for N ranks
 
 def our_decode(
     recipe: str, path: Path, exe_mode: str, plan: str | None, prompts: list[list[int]], steps: int, dtype: str,
-    max_len: int, parallel: list[str] = (), platform: Platform | None = None, probe: Callable[[], float] | None = None,
+    max_len: int, parallel: list[str] = (), platform: Platform | None = None, probe: Probe | None = None,
 ) -> Row:  # fmt: skip
     overrides = [
         f"model_config.model_path={path}",
@@ -262,7 +292,7 @@ def our_decode(
     runner.generate(prompts, steps + 1)  # warm caches
     before = probe() if probe else None
     gen = runner.generate(prompts, steps + 1)
-    read_gbs = (before, probe()) if probe else ()
+    rates = tuple(zip(before, probe())) if probe else ((), ())
     calls = list(runner.parallel.log.calls)  # the collectives of one decode step
     name = f"ours {exe_mode}" + (f" + SK {plan}" if plan else "")
     if fewer := sum(n < runner.threads.full for n in gen.decode_threads):  # the host was busy: say so
@@ -270,7 +300,7 @@ def our_decode(
     del runner
     torch._dynamo.reset()
     compile_s = None if exe_mode == "eager" else compile_s
-    return Row(name, statistics.median(gen.decode_ms), compile_s, gen.token_ids, calls, read_gbs)
+    return Row(name, statistics.median(gen.decode_ms), compile_s, gen.token_ids, calls, *rates)
 
 
 def collective_ms(calls: list[tuple[str, str, int]], iters: int = 200) -> float:
@@ -361,7 +391,7 @@ def main(argv=None) -> int:
         flush=True,
     )
     plans = _plans(args, arch)
-    probe = partial(read_bandwidth_gbs, platform)
+    probe = Probe(platform, dtype)
     ours = partial(our_decode, platform=platform, probe=probe)
     summary: dict[int, tuple[list[Row], float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -381,14 +411,14 @@ def main(argv=None) -> int:
             nbytes, flops = step_cost(arch, dtype_bytes, batch, args.prompt_len + args.steps // 2)
             bw_ms, compute_ms = nbytes / (read_bw * 1e9) * 1e3, flops / (tflops * 1e12) * 1e3
             roof_ms = max(bw_ms, compute_ms)
-            for r in rows:  # each mode against the bandwidth read next to its own steps
-                r.roof_ms = max(nbytes / (r.bandwidth(read_bw) * 1e9) * 1e3, compute_ms)
+            for r in rows:  # each mode against the rates read next to its own steps
+                r.roof_ms = r.roofline_ms(nbytes, flops, read_bw, tflops)
             summary[batch] = (rows, roof_ms)
             print_table(rows, batch)
             print(
                 f"\nroofline, batch {batch}: {nbytes / 1e6:.1f} MB read per step ({args.dtype} weights + valid KV) / "
-                f"{read_bw:.1f} GB/s (the start's reading; each mode's own in its row) = {bw_ms:.3f} ms; "
-                f"{flops / 1e9:.2f} GFLOP / {tflops:.2f} TFLOP/s = {compute_ms:.3f} ms -> {roof_ms:.3f} ms/step "
+                f"{read_bw:.1f} GB/s = {bw_ms:.3f} ms; {flops / 1e9:.2f} GFLOP / {tflops:.2f} TFLOP/s = "
+                f"{compute_ms:.3f} ms -> {roof_ms:.3f} ms/step (the start's readings; each mode's uses its own) "
                 f"({'bandwidth' if bw_ms >= compute_ms else 'compute'}-bound)\n",
                 flush=True,
             )
@@ -462,12 +492,13 @@ def print_table(rows: list[Row], batch: int) -> None:
     peers = {r.name: r.ms for r in rows if r.name.startswith("transformers")}
     ref = rows[0].tokens  # ours eager
     head = ["mode", "decode ms/step (median)", "tokens/s", "vs ge_graph", "x roofline", "read GB/s (before/after)"]
+    head += ["TFLOP/s (before/after)"]
     head += [f"vs {n}" for n in peers] + ["compile s", "greedy tokens vs ours eager"]
     print(f"\n### batch {batch}\n\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
-        bw = "/".join(f"{b:.1f}" for b in r.read_gbs) + (" UNSTEADY" if r.unsteady() else "")
         ratio = f"{r.ms / r.roof_ms:.2f}"
-        cells = [r.name, f"{r.ms:.3f}", f"{batch * 1e3 / r.ms:.1f}", f"{graph_ms / r.ms:.2f}x", ratio, bw]
+        cells = [r.name, f"{r.ms:.3f}", f"{batch * 1e3 / r.ms:.1f}", f"{graph_ms / r.ms:.2f}x", ratio]
+        cells += [readings(r.read_gbs, 1), readings(r.tflops, 2)]
         cells += [f"{ms / r.ms:.2f}x" for ms in peers.values()]
         cells += ["" if r.compile_s is None else f"{r.compile_s:.1f}", token_check(r.tokens, ref)]
         print("| " + " | ".join(cells) + " |")
@@ -488,7 +519,7 @@ def print_batch_summary(summary: dict[int, tuple[list[Row], float]]) -> None:
         + " | ".join(f"{b * 1e3 / roof:.1f}" for b, (_, roof) in summary.items())
         + " |"
     )
-    print("\nx roofline: against the read bandwidth measured next to that mode's steps; ? = it moved by > 15% there")
+    print("\nx roofline: against the rates measured next to that mode's steps; ? = one moved by > 15% there")
 
 
 def plot(path: Path, summary: dict[int, tuple[list[Row], float]], title: str) -> None:
