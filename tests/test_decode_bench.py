@@ -1,0 +1,72 @@
+"""benchmarks/decode_bench.py's arithmetic: the roofline terms and how each mode's row is judged.
+
+Why test a benchmark: its "x roofline" column is how issue 13's targets are read. A FLOP count
+off by a factor, or a mode judged against the start's rates instead of those read next to its own
+steps, would pass or fail targets for nothing. The timings themselves are not tested (they are
+what the benchmark prints); this checks what it does with them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.decode_bench import Row, moved, print_batch_summary, print_table, step_cost, token_check
+from executor.arch import load_arch
+
+
+def qwen3_06b_params_per_token() -> int:
+    """Qwen3-0.6B's matrices, counted from its published shape (norms left out: 0.01% of them)."""
+    h, i, layers, heads, kv, hd, vocab = 1024, 3072, 28, 16, 8, 128, 151936
+    attention = h * heads * hd + 2 * h * kv * hd + heads * hd * h  # q, k, v, o
+    mlp = 3 * h * i  # gate, up, down
+    return layers * (attention + mlp) + vocab * h  # + the (tied) lm_head
+
+
+def test_step_cost_counts_the_weights_once_and_flops_per_row():
+    arch = load_arch("", "qwen3-0.6b")
+    params = qwen3_06b_params_per_token()
+    for batch, context in ((1, 24), (1, 2048), (16, 24), (64, 100)):
+        nbytes, flops = step_cost(arch, 2, batch, context)
+        kv = batch * context * 28 * 2 * 8 * 128 * 2  # K and V rows read, bf16
+        attention = batch * 28 * 4 * 16 * 128 * context  # q.k and p.v, per query head
+        assert nbytes == pytest.approx(2 * params + kv, rel=1e-3)  # weights read once, whatever the batch
+        assert flops == pytest.approx(2 * params * batch + attention, rel=1e-3)
+    assert step_cost(arch, 2, 16, 24)[1] == pytest.approx(19.16e9, rel=2e-3)  # BENCHMARKS.md's batch-16 figure
+
+
+def test_a_mode_is_judged_against_the_rates_read_next_to_its_steps():
+    start = {"read_gbs": 100.0, "tflops": 100.0}  # the start's readings: far off on purpose
+    bandwidth_bound = Row("ours ge_graph", 50.0, None, [[1]], read_gbs=(20.0, 30.0), tflops=(0.1, 0.3))
+    assert bandwidth_bound.roofline_ms(1e9, 1e9, **start) == pytest.approx(40.0)  # 1 GB at 25 GB/s
+    compute_bound = Row("ours ge_graph", 50.0, None, [[1]], read_gbs=(50.0, 50.0), tflops=(0.1, 0.3))
+    assert compute_bound.roofline_ms(1e9, 8e9, **start) == pytest.approx(40.0)  # 8 GFLOP at 0.2 TFLOP/s
+    unread = Row("transformers eager generate", 50.0, None, [[1]])
+    assert unread.roofline_ms(1e9, 2e9, read_gbs=25.0, tflops=0.2) == pytest.approx(40.0)
+
+
+def test_more_than_15_percent_apart_is_moved():
+    assert not moved((30.0, 34.0)) and moved((30.0, 35.0)) and moved((0.23, 0.14)) and not moved(())
+
+
+def test_the_tables_show_each_modes_ratio_flags_and_tokens(capsys):
+    rows = [  # ge_graph's matmul rate moved while its steps ran (0.14 then 0.23), its bandwidth did not
+        Row("ours eager", 200.0, None, [[1, 2, 3]], read_gbs=(30.0, 34.0), tflops=(0.22, 0.23)),
+        Row("ours ge_graph", 100.0, 40.0, [[1, 2, 4]], read_gbs=(30.0, 34.0), tflops=(0.14, 0.23)),
+    ]
+    for r in rows:
+        r.roof_ms = 80.0
+    print_table(rows, 16)
+    eager, graph = (line for line in capsys.readouterr().out.splitlines() if line.startswith("| ours"))
+    assert eager.split(" | ")[1:7] == ["200.000", "80.0", "0.50x", "2.50", "30.0/34.0", "0.22/0.23"]
+    assert eager.endswith("same tokens |")
+    assert graph.split(" | ")[4:7] == ["1.25", "30.0/34.0", "0.14/0.23 UNSTEADY"]
+    assert graph.endswith("| 40.0 | differs from step 2 |")
+    print_batch_summary({16: (rows, 80.0)})
+    summary = capsys.readouterr().out
+    assert "| ours eager | 80.0 (2.50) |" in summary and "| ours ge_graph | 160.0 (1.25?) |" in summary
+
+
+def test_token_check_names_the_first_step_any_row_departs():
+    ref = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert token_check(ref, ref) == "same tokens"
+    assert token_check([[1, 2, 3, 9], [5, 6, 0, 8]], ref) == "differs from step 2"
