@@ -1,4 +1,5 @@
-"""benchmarks/decode_bench.py's arithmetic: the roofline terms and how each mode's row is judged.
+"""The benchmarks' arithmetic: decode_bench's and prefill_bench's roofline terms, and how each decode
+mode's row is judged.
 
 Why test a benchmark: its "x roofline" column is how issue 13's targets are read. A FLOP count
 off by a factor, or a mode judged against the start's rates instead of those read next to its own
@@ -11,15 +12,18 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.decode_bench import Row, moved, print_batch_summary, print_table, step_cost, token_check
+from benchmarks.prefill_bench import prefill_cost
 from executor.arch import load_arch
+
+LM_HEAD = 151936 * 1024
 
 
 def qwen3_06b_params_per_token() -> int:
     """Qwen3-0.6B's matrices, counted from its published shape (norms left out: 0.01% of them)."""
-    h, i, layers, heads, kv, hd, vocab = 1024, 3072, 28, 16, 8, 128, 151936
+    h, i, layers, heads, kv, hd = 1024, 3072, 28, 16, 8, 128
     attention = h * heads * hd + 2 * h * kv * hd + heads * hd * h  # q, k, v, o
     mlp = 3 * h * i  # gate, up, down
-    return layers * (attention + mlp) + vocab * h  # + the (tied) lm_head
+    return layers * (attention + mlp) + LM_HEAD  # + the (tied) lm_head
 
 
 def test_step_cost_counts_the_weights_once_and_flops_per_row():
@@ -32,6 +36,16 @@ def test_step_cost_counts_the_weights_once_and_flops_per_row():
         assert nbytes == pytest.approx(2 * params + kv, rel=1e-3)  # weights read once, whatever the batch
         assert flops == pytest.approx(2 * params * batch + attention, rel=1e-3)
     assert step_cost(arch, 2, 16, 24)[1] == pytest.approx(19.16e9, rel=2e-3)  # BENCHMARKS.md's batch-16 figure
+
+
+def test_prefill_cost_is_every_token_through_the_layers_and_one_through_the_lm_head():
+    arch = load_arch("", "qwen3-0.6b")
+    layers = qwen3_06b_params_per_token() - LM_HEAD
+    for tokens in (128, 2048):
+        nbytes, flops = prefill_cost(arch, 2, tokens)
+        attention = 28 * 4 * 16 * 128 * tokens * (tokens + 1) / 2  # causal: key j <= query i
+        assert flops == pytest.approx(2 * layers * tokens + 2 * LM_HEAD + attention, rel=1e-3)
+        assert nbytes == pytest.approx(2 * (layers + LM_HEAD) + tokens * 28 * 2 * 8 * 128 * 2, rel=1e-3)
 
 
 def test_a_mode_is_judged_against_the_rates_read_next_to_its_steps():
