@@ -39,6 +39,7 @@ import torch
 
 from executor import MALLOC_POLICY, logs, memory, numerics, ops, preflight, thp_mode
 from executor.arch import ModelArch
+from executor.backends import greedy
 from executor.backends.base import Backend, CompiledStep, DecodeSpec
 from executor.backends.eager_kernels import EagerKernels
 from executor.compile import resolve_dtype, select_backend
@@ -299,7 +300,7 @@ class ModelRunner:
             )
             if on_prefill:
                 on_prefill(pre.ms)
-            token = pre.logits.argmax(-1, keepdim=True)  # (B, 1)
+            token = greedy.next_tokens(pre.logits)  # (B, 1)
             out, step_ms, logits = [token], [], pre.logits
             pos = pre.lengths.view(b, 1).clone()
             step_threads = []
@@ -315,7 +316,7 @@ class ModelRunner:
                         f"decode step {i + 1}",
                         lambda scopes, token=token, pos=pos: self.model(token, pos, self.cache, scopes),
                     )
-                    token = logits.argmax(-1, keepdim=True)
+                    token = greedy.next_tokens(logits)
                     out.append(token)
                     pos += 1
                     if on_step:
