@@ -4,10 +4,10 @@ Why: the runner picks every step's tokens with an argmax over the (B, vocab) log
 every run dtype), outside the timed step but inside every token's wall time. aten's argmax over
 the last dimension is not vectorised on CPU: over Qwen3's 151936-entry vocabulary it took 65-130
 us per fp32 row (bf16: 270-550), 1.1 ms per token at batch 16 inside the decode loop (4.2 ms at
-batch 64, timed alone). `csrc/greedy.cpp` returns the same indices (the first among equal values; the first
-NaN, which the runner never reaches because it stops on non-finite logits) from two vector
-passes over each row: 0.2 ms per token at batch 16 in the same loop (BENCHMARKS.md, "fifteenth
-pass").
+batch 64, timed alone). `csrc/greedy.cpp` returns the same indices (the first among equal
+values; the first NaN, which the runner never reaches because it stops on non-finite logits)
+from two vector passes over each row: 0.2 ms per token at batch 16 in the same loop
+(BENCHMARKS.md, "fifteenth pass").
 
 Logits under MIN_ELEMENTS, and anything else the kernel does not take (another device or dtype,
 rows that are not contiguous, no compiler to build it; the last said once), run torch.argmax,
