@@ -7,11 +7,15 @@ lanes, so lengths around a block edge matter), on rows that are not packed one a
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from executor.backends import greedy
-from tests.no_compiler import run_without_compiler
+from tests.no_compiler import REPO, run_without_compiler
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -97,3 +101,27 @@ def test_without_a_compiler_the_tokens_come_from_argmax(tmp_path):
     assert "picked by torch.argmax instead" in line
     lines = stdout.splitlines()
     assert lines.index("small logits: no build tried") < lines.index(line) < lines.index("large logits: argmax")
+
+
+@pytest.mark.parametrize("capability", ["avx2", "default"])
+def test_the_narrower_builds_agree(kernel, capability):
+    """The kernel as built for an AVX2 host or in plain C++ (an Arm host such as Kunpeng takes the
+    latter), in a fresh Python told to report that capability (another build key, another build)."""
+    code = (
+        "import torch\n"
+        "from executor.backends import greedy\n"
+        "assert greedy.kernel_runs()\n"
+        "torch.manual_seed(0)\n"
+        "for dtype in (torch.float32, torch.bfloat16):\n"
+        "    for vocab in (1, 17, 33, 100, 151936):\n"
+        "        x = torch.randn(3, vocab).to(dtype)\n"
+        "        x[1, -1] = x[1].max()\n"  # a tie in the tail
+        "        assert torch.equal(torch.ops.cann_cpu.greedy_tokens(x), x.argmax(-1, keepdim=True)), (dtype, vocab)\n"
+        "print(torch.backends.cpu.get_cpu_capability())\n"
+    )
+    if capability == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("not an x86 host with AVX2")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-1000:] + proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1] == capability.upper()
