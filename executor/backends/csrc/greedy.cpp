@@ -52,7 +52,7 @@ int64_t first_max(const T* row, int64_t n) {
   }
   for (int64_t i = body; i < n; ++i) {
     const float v = static_cast<float>(row[i]);
-    if (std::isnan(v) || v > m) m = std::isnan(m) ? m : v;
+    if (!std::isnan(m) && (std::isnan(v) || v > m)) m = v;  // a NaN, once found, stays
   }
   if (std::isnan(m)) {  // rare (the runner stops on NaN logits first): a plain scan
     for (int64_t i = 0; i < n; ++i)
