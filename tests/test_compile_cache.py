@@ -13,8 +13,11 @@ function (tests/test_npu_compile.py); a real second run reusing the cache is in 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import io
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from executor import ops
@@ -102,3 +105,19 @@ def test_without_enable_cache_compile_every_run_is_cold(tmp_path):
     first = _runner(tmp_path, "model_config.enable_cache_compile=false").backend.cache_dir
     second = _runner(tmp_path, "model_config.enable_cache_compile=false").backend.cache_dir
     assert first != second and not first.startswith(str(tmp_path))  # fresh temporary directories
+
+
+def test_a_cold_runs_directory_goes_with_its_runner_and_at_exit(tmp_path):
+    """Without enable_cache_compile the fresh directory is removed: nothing piles up in /tmp."""
+    runner = _runner(tmp_path, "model_config.enable_cache_compile=false")
+    scratch = Path(runner.backend.cache_dir)
+    runner.generate([[5, 6, 7]], 3)
+    assert any(scratch.rglob("*.so"))  # the step's kernels were built there
+    del runner
+    gc.collect()
+    assert not scratch.exists()
+    code = "from executor.backends.inductor import ScratchDir; kept = ScratchDir('sk_exit_'); print(kept.path)"
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    left = Path(proc.stdout.strip())
+    assert left.name.startswith("sk_exit_") and not left.exists()  # a process that ends holding one
