@@ -114,6 +114,35 @@ def test_kernel_never_reads_slots_after_the_last_valid_one(kernel):
     assert torch.isnan(reference.attention(q, k, v, mask, 0.2)).any()
 
 
+@pytest.mark.parametrize("capability", ["avx2", "default"])
+def test_the_narrower_builds_compile_and_agree(capability):
+    """The kernel as built for an AVX2 host, or in plain C++ (an Arm host such as Kunpeng), in a
+    fresh Python told to report that capability (other flags, another build key, another build).
+    Why: an AVX-512 host builds only the widest variant, and the AVX2 one once failed to compile
+    (ATen's fp16 conversions need F16C, which -mavx2 alone does not enable) unseen there."""
+    code = (
+        "import torch\n"
+        "from executor import custom_ops\n"
+        "from tests.test_custom_ops import case, sdpa\n"
+        "custom_ops.cpu_kernel(custom_ops.load('decode_attention'))\n"
+        "for dtype in (torch.float32, torch.bfloat16, torch.float16):\n"
+        "    for d in (128, 40):\n"
+        "        q, k, v, mask = case(hq=8, hkv=2, t=100, d=d, positions=((70,), (99,)), dtype=dtype)\n"
+        "        k[0, :, 71:] = float('nan')\n"  # never read: after row 0's last valid slot
+        "        out = torch.ops.cann.decode_attention(q, k, v, mask, d**-0.5)\n"
+        "        k[0, :, 71:] = 0.0\n"
+        "        err = (out.float() - sdpa(q, k, v, mask, d**-0.5)).abs().max().item()\n"
+        "        assert err < (1e-5 if dtype == torch.float32 else 1e-2), (dtype, d, err)\n"
+        "print(torch.backends.cpu.get_cpu_capability())\n"
+    )
+    if capability == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("not an x86 host with AVX2")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-1000:] + proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1] == capability.upper()
+
+
 def test_kernel_views_as_the_model_passes_them(kernel):
     """q a transposed view (rotary of q.transpose(1, 2)); the cache a batch slice (prefill groups)."""
     q, k, v, mask = case(b=3, s=2, positions=((3, 4), (12, 13), (30, 31)))  # S = 2: the view is strided

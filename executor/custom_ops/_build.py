@@ -28,10 +28,13 @@ DEFAULT_EXTENSIONS_DIR = Path.home() / ".cache" / "cann-recipes-infer" / "extens
 CSRC = Path(__file__).resolve().parent / "csrc"
 # The vector extensions torch itself found on this CPU -> the flags the kernel is compiled with,
 # so that the compiler can vectorise its inner loops (part of the cache key: another CPU, another
-# build). Capabilities not listed (DEFAULT, ZVECTOR, SVE...) compile with the target's baseline.
+# build). -mf16c as in PyTorch's own AVX2 and AVX-512 builds: ATen's vector headers convert fp16
+# with F16C intrinsics, which GCC does not enable with -mavx2 or -mavx512f, so an AVX2 build of a
+# kernel that converts halves fails without it. Capabilities not listed (DEFAULT, ZVECTOR, SVE...)
+# compile with the target's baseline.
 ARCH_FLAGS = {
-    "AVX512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"),
-    "AVX2": ("-mavx2", "-mfma"),
+    "AVX512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"),
+    "AVX2": ("-mavx2", "-mfma", "-mf16c"),
 }
 # -fopenmp: at::parallel_for is an inline OpenMP region; the library then resolves libgomp.so.1 to
 # the one torch already loaded (torch/lib/libgomp.so.1), so both share one thread pool.
