@@ -9,6 +9,11 @@ demand.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,6 +26,7 @@ from tests.test_qwen_dense import PROMPT, assert_close_logits, hf_logits
 pytestmark = pytest.mark.skipif(not packed_linear.supported(torch.float32), reason="torch built without oneDNN")
 
 LARGE = packed_linear.MIN_WEIGHT_NUMEL // 256
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_qualifying_linears_run_through_onednn_with_the_same_result():
@@ -109,3 +115,23 @@ def test_eager_decode_runs_the_gemv_kernel_and_matches_hf(wide_ckpt, make_qwen_r
 def test_bf16_takes_the_gemv_kernel_and_small_models_keep_aten(wide_ckpt, qwen3_ckpt, make_qwen_runner):
     assert make_qwen_runner(wide_ckpt, "model_config.dtype=bfloat16").prefill_kernels.linear_kernel == "gemv"
     assert make_qwen_runner(qwen3_ckpt).prefill_kernels.linear_kernel == "aten"  # every weight below the limit
+
+
+def test_the_avx512_only_kernels_are_not_built_where_they_cannot_run(tmp_path):
+    """gemv, rows_linear and causal_attention run on AVX-512 only: on another host (an AVX2 VM, an
+    Arm server) asking for them must say no without building them (about 15 s each, wasted), in a
+    fresh Python with an empty kernel cache."""
+    if torch.cpu._is_avx512_supported():
+        pytest.skip("this CPU has AVX-512: the kernels are built and run here (tests/test_rows_linear.py)")
+    code = (
+        "import torch\n"
+        "from executor.backends import eager_attention, eager_linear, packed_linear\n"
+        "dtypes = (torch.float32, torch.bfloat16)\n"
+        "print(*[eager_linear.gemv_runs(d) for d in dtypes], *[packed_linear.kernel_runs(d) for d in dtypes])\n"
+        "print(eager_attention.kernel_runs())\n"
+    )
+    env = dict(os.environ, CANN_RECIPES_EXTENSIONS_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["False"] * 5
+    assert not any(tmp_path.iterdir()), "a kernel was built that this CPU cannot run"

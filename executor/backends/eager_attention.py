@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from executor.custom_ops._build import load_optional_kernel
+from executor.custom_ops._build import cpu_has_avx512, load_optional_kernel
 from executor.ops import reference
 
 KERNEL = "cann_cpu::causal_attention"
@@ -40,6 +40,8 @@ _lib.define("causal_attention_supported() -> bool")
 def kernel_runs() -> bool:
     """The kernel is built and loaded (once per machine / process) and this CPU has AVX512-BF16.
     A build that cannot happen is said once, not raised: SDPA then runs every call."""
+    if not cpu_has_avx512(torch.bfloat16):
+        return False  # not built where it could never run
     built = load_optional_kernel(
         KERNEL,
         "cann_cpu_causal_attention",

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from executor.backends import packed_linear
-from executor.custom_ops._build import load_optional_kernel
+from executor.custom_ops._build import cpu_has_avx512, load_optional_kernel
 from executor.ops import reference
 
 GEMV_MAX_ROWS = 4  # the kernel's limit (csrc/gemv.cpp)
@@ -57,7 +57,12 @@ def _gemv_library() -> bool:
 @functools.cache
 def gemv_runs(dtype: torch.dtype) -> bool:
     """The kernel is built and loaded (once per machine / process) and this CPU runs it for `dtype`."""
-    return dtype in GEMV_DTYPES and _gemv_library() and bool(torch.ops.cann_cpu.gemv_supported(dtype))
+    return (
+        dtype in GEMV_DTYPES
+        and cpu_has_avx512(dtype)
+        and _gemv_library()
+        and bool(torch.ops.cann_cpu.gemv_supported(dtype))
+    )
 
 
 def _large(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from executor.custom_ops._build import load_optional_kernel
+from executor.custom_ops._build import cpu_has_avx512, load_optional_kernel
 from executor.memo import TensorMemo
 
 # Weights smaller than this (elements) stay with aten: they sit in cache, and a call of this op
@@ -97,7 +97,7 @@ def _kernel_library() -> bool:
 @functools.cache
 def kernel_runs(dtype: torch.dtype) -> bool:
     """The kernel is built and loaded, and this CPU runs it for `dtype` (bf16 or fp32)."""
-    if dtype not in KERNEL_DTYPES or not supported(dtype):
+    if dtype not in KERNEL_DTYPES or not supported(dtype) or not cpu_has_avx512(dtype):
         return False
     return _kernel_library() and bool(torch.ops.cann_cpu.rows_supported(dtype))
 

@@ -157,6 +157,16 @@ def load_kernel(op: str, library: str, sources: list[str], remedy: str = CUSTOM_
     return built
 
 
+def cpu_has_avx512(dtype: torch.dtype) -> bool:
+    """This CPU runs the AVX-512 kernels for `dtype` (bf16: AVX512-BF16), as torch's cpuinfo sees
+    it. Asked before building one of the backends' AVX-512-only kernels (gemv, rows_linear,
+    causal_attention): they compile on any x86-64 host and check the CPU again themselves, but an
+    AVX2 or Arm host would build them (about 15 s each, once per machine) only to never run them."""
+    if dtype == torch.bfloat16:
+        return torch.cpu._is_avx512_bf16_supported()
+    return torch.cpu._is_avx512_supported()
+
+
 def load_optional_kernel(op: str, library: str, source: Path, tag: str, instead: str) -> bool:
     """Build (once per machine) and load a backend's own kernel, one that is a speed choice and not
     something the user asked for (executor/backends/csrc/). A build that cannot happen is said in
