@@ -17,6 +17,8 @@ machine noise only adds time).
 
   python benchmarks/attention_bench.py
   python benchmarks/attention_bench.py --size bench-overhead --lengths 2048,16384 --modes ge_graph,decoder --threads 1
+  python benchmarks/attention_bench.py --size qwen3-0.6b --batch 4 --dtype bfloat16 --lengths 256,1024 \
+      --position 255 --modes ge_graph --no-op-table
 """
 
 from __future__ import annotations
@@ -89,9 +91,10 @@ def op_table(lengths: list[int], position: int, dtype: torch.dtype, rounds: int)
     return [(t, ms[(t, "reference")], ms[(t, "custom")], diffs[t]) for t in lengths]
 
 
-def build_step(recipe: str, size: str, mode: str, custom: bool, t: int, position: int):
+def build_step(recipe: str, size: str, mode: str, custom: bool, t: int, position: int, batch: int, dtype: str):
     """A compiled decode step of the recipe at `position` with a static cache of `t` slots filled
-    with random values; returns (call, first logits, KV-cache bytes, arch)."""
+    with random values, every row of `batch` at that position; returns (call, first logits,
+    KV-cache bytes, arch)."""
     overrides = [
         *MODES[mode],
         f"model_config.debug_size={size}",
@@ -100,18 +103,20 @@ def build_step(recipe: str, size: str, mode: str, custom: bool, t: int, position
         "model_config.enable_cache_compile=false",
         f"model_config.tokenizer_path={BUILTIN_TOKENIZER}",
         "scheduler_config.max_new_tokens=1",
+        f"scheduler_config.batch_size={batch}",
+        f"model_config.dtype={dtype}",
         f"data_config.input_truncated_len={t - 1}",  # static cache slots = t
         f"model_config.custom_ops={'[decode_attention]' if custom else '[]'}",
     ]
     runner = runner_class(recipe)(load_config(default_config(recipe), overrides), detect("cpu"), None)
-    ids, pos = torch.tensor([[7]]), torch.tensor([[position]])
+    ids, pos = torch.full((batch, 1), 7), torch.full((batch, 1), position)
 
     def call() -> torch.Tensor:
         with torch.no_grad(), runner.context.active():  # eager reads the op table at call time
             return runner.decode_one(ids, pos)
 
     with torch.no_grad(), runner.context.active():
-        runner.prepare(1)
+        runner.prepare(batch)
         g = torch.Generator().manual_seed(1)
         for cache in runner.cache.k + runner.cache.v:
             cache.copy_(torch.randn(cache.shape, generator=g).to(cache.dtype))
@@ -128,6 +133,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=7, help="timing rounds (each config timed once per round; best kept)")
     p.add_argument("--no-op-table", action="store_true", help="skip the single-layer op table")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    p.add_argument("--batch", type=int, default=1, help="decode rows of the step table (default: 1)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="run dtype of the step table")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -153,27 +160,33 @@ def main(argv=None) -> int:
     for mode in args.modes.split(","):
         for custom in (False, True):
             for t in lengths:
-                built[(mode, custom, t)] = build_step(args.model, args.size, mode, custom, t, args.position)
+                built[(mode, custom, t)] = build_step(
+                    args.model, args.size, mode, custom, t, args.position, args.batch, args.dtype
+                )
                 print(f"  compiled step {mode} custom_ops={custom} T={t}", flush=True)
     timed = interleaved_ms({key: b[0] for key, b in built.items()}, args.rounds)
     results = {key: (timed[key], *b[1:]) for key, b in built.items()}
     arch = next(iter(results.values()))[3]
-    print(f"\n## step: recipe {args.model}, size {args.size} ({arch.num_layers} layers), batch 1, fp32")
-    print("| exe_mode | custom_ops | max_len | decode ms/step | vs same max_len without | max_len ratio | cosine |")
+    print(
+        f"\n## step: recipe {args.model}, size {args.size} ({arch.num_layers} layers), batch {args.batch}, {args.dtype}"
+    )
+    print("| exe_mode | custom_ops | max_len | decode ms/step | speed-up over no op | max_len ratio | cosine |")
     print("|---|---|---|---|---|---|---|")
     for (mode, custom, t), (ms, logits, _kv, _arch) in results.items():
         plain = results[(mode, False, t)]
         ratio = ms / results[(mode, custom, lengths[0])][0]
-        cos = torch.nn.functional.cosine_similarity(logits.flatten(), plain[1].flatten(), dim=0).item()
+        cos = torch.nn.functional.cosine_similarity(logits.flatten().float(), plain[1].flatten().float(), dim=0)
+        cos = cos.item()  # in fp32: a bf16 cosine of a row with itself reads 0.99995
         label = {"decoder": "ge_graph + SK decoder"}.get(mode, mode)
         print(
             f"| {label} | {'[decode_attention]' if custom else '-'} | {t} | {ms:.3f} | "
             f"{plain[0] / ms:.2f}x | {ratio:.2f}x | {cos:.6f} |"
         )
-    valid = 2 * arch.num_layers * arch.num_kv_heads * (args.position + 1) * arch.head_dim * 4
+    width = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
+    valid = 2 * arch.num_layers * args.batch * arch.num_kv_heads * (args.position + 1) * arch.head_dim * width
     print(
         f"\nmax_len ratio = this row's ms / the same mode's at max_len {lengths[0]} (target with the op: <= 1.10x).\n"
-        f"KV bytes valid at position {args.position}: {valid / 1e6:.1f} MB fp32; whole cache at max_len "
+        f"KV bytes valid at position {args.position}: {valid / 1e6:.1f} MB {args.dtype}; whole cache at max_len "
         + ", ".join(f"{t}: {results[(args.modes.split(',')[0], False, t)][2] / 1e6:.1f} MB" for t in lengths)
     )
     return 0
