@@ -181,6 +181,13 @@ def _cpu_name() -> str:
     return "cpu"
 
 
+def cpu_runs_bf16() -> bool:
+    """This CPU multiplies bf16 natively (AVX512-BF16 or AMX, what oneDNN needs). Without it the
+    bf16 matmuls convert on the fly: on an AVX2-only host the 0.6B batch-4 bf16 decode step took
+    1.7x the fp32 one (BENCHMARKS.md, seventeenth pass), so a bf16 run there is told so."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def detect(device: str = "auto") -> Platform:
     """Resolve ``device`` to a Platform; an explicit request that cannot be met raises."""
     if device not in DEVICES:

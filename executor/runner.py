@@ -51,7 +51,7 @@ from executor.loader import init_random, load_weights
 from executor.parallel import runtime
 from executor.parallel.groups import Parallel
 from executor.paths import results_dir
-from executor.platform import Platform, software_versions, timer
+from executor.platform import Platform, cpu_runs_bf16, software_versions, timer
 from executor.scope import NO_PLAN, ScopeRunner
 from executor.threads import ThreadGovernor
 from executor.tokenizer import BUILTIN_TOKENIZER, Tokenizer, TokenizerError
@@ -372,6 +372,11 @@ class ModelRunner:
             f"platform {self.platform.describe()}, "
             f"exe_mode {mc.exe_mode}, superkernel {'plan ' + self.plan.name if mc.superkernel_enabled else 'off'}"
         )
+        if self.platform.kind == "cpu" and self.dtype_name == "bfloat16" and not cpu_runs_bf16():
+            self.log(
+                "[run] bfloat16 on a CPU without AVX512-BF16 or AMX: its matmuls are emulated, slower "
+                "than float32 (model_config.dtype: float32, or auto)"
+            )
         # Warm-up on the same shapes: compiles the decode step (idempotent: same tokens, same slots).
         t0 = self.now()
         self.generate(prompt_ids, min(2, sc.max_new_tokens))
