@@ -21,9 +21,25 @@ CONFIGS_DIR = REPO_ROOT / "configs"
 
 
 def results_dir(recipe: str, case: str, now: datetime.datetime | None = None) -> Path:
-    """`models/<recipe>/res/<YYYY-MM-DD>/<case>_<HHMMSS>/`: the default output of a run or tool."""
+    """`models/<recipe>/res/<YYYY-MM-DD>/<case>_<HHMMSS>/`: the default output of a run or tool,
+    created here, empty. `_2`, `_3`, ... are appended when that name is taken.
+
+    Why created here: the name is only as fine as the clock's second, and two commands started
+    in the same second (a script, two test workers) would otherwise pick the same directory and
+    the second would be refused (claim_output_dir) for a name neither user chose."""
     now = now or datetime.datetime.now()
-    return MODELS_DIR / recipe / "res" / f"{now:%Y-%m-%d}" / f"{case}_{now:%H%M%S}"
+    day = MODELS_DIR / recipe / "res" / f"{now:%Y-%m-%d}"
+    name = f"{case}_{now:%H%M%S}"
+    path, n = day / name, 1
+    while True:
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            n += 1
+            path = day / f"{name}_{n}"
+        except OSError as exc:
+            raise OutputDirError(f"results directory {path} cannot be created ({exc.strerror}); use --out") from None
 
 
 class OutputDirError(RecipeError):

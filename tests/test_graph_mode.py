@@ -247,7 +247,10 @@ def test_toy_default_cuts_the_scope():
 
 
 # ----------------------------------------------------------------------------- compile cache
-def test_enable_cache_compile_second_run_compiles_faster(tmp_path, qwen3_ckpt):
+def test_enable_cache_compile_second_run_compiles_from_the_cache(tmp_path, qwen3_ckpt):
+    """The second run's graphs come from the first run's cache: counted from Inductor's own cache
+    lookups (metrics.json compile.cache_lookups), not from compile_s, which a busy neighbour
+    (another test worker) moves as much as a cache does."""
     cache = tmp_path / "cache"
     runs = []
     for i in range(2):
@@ -289,4 +292,5 @@ def test_enable_cache_compile_second_run_compiles_faster(tmp_path, qwen3_ckpt):
     assert Path(first["cache_dir"]).parent == cache and first["cache_key"] == second["cache_key"]
     assert first["graphs"] == second["graphs"] == 1 and first["recompiles"] == second["recompiles"] == 0
     assert runs[0]["generated_token_ids"] == runs[1]["generated_token_ids"]
-    assert second["compile_s"] < 0.7 * first["compile_s"], (first["compile_s"], second["compile_s"])
+    assert first["cache_lookups"]["misses"] > 0 and first["cache_lookups"]["hits"] == 0, first
+    assert second["cache_lookups"] == {"hits": first["cache_lookups"]["misses"], "misses": 0}, second

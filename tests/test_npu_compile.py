@@ -53,6 +53,7 @@ STATS_KEYS = {
     "cache_dir",
     "cache_enabled",
     "cache_key",
+    "cache_lookups",
     "scopes",
     "superkernel_ran",
 }

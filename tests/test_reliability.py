@@ -250,6 +250,36 @@ def test_out_that_cannot_be_written_or_holds_another_commands_results(tmp_path, 
     assert (other / "results.json").read_text() == "{}" and not (other / "metrics.json").exists()
 
 
+def test_two_runs_started_in_the_same_second_get_their_own_default_directories(tmp_path, capsys, monkeypatch):
+    """The default `models/<recipe>/res/<date>/<case>_<HHMMSS>/` is reserved when it is named, so
+    two commands in the same second (a script, two test workers) do not meet in one directory
+    (the second used to be refused); a results tree that cannot be written is one line."""
+    import datetime
+
+    import executor.paths as paths
+
+    monkeypatch.setattr(paths, "MODELS_DIR", tmp_path / "models")
+    now = datetime.datetime(2025, 1, 2, 3, 4, 5)
+    first, second, third = (paths.results_dir("qwen", "eager_nosk", now) for _ in range(3))
+    day = tmp_path / "models" / "qwen" / "res" / "2025-01-02"
+    assert [first, second, third] == [
+        day / "eager_nosk_030405",
+        day / "eager_nosk_030405_2",
+        day / "eager_nosk_030405_3",
+    ]
+    assert all(d.is_dir() and not any(d.iterdir()) for d in (first, second, third))
+    # two runs of the CLI with no --out: each has its own directory and its own metrics.json
+    for _ in range(2):
+        assert run(capsys, "run", *EAGER).returncode == 0
+    made = sorted((tmp_path / "models" / "qwen" / "res").glob("*/eager_nosk_*/metrics.json"))
+    assert len(made) == 2
+    blocked = tmp_path / "blocked"
+    blocked.write_text("x")
+    monkeypatch.setattr(paths, "MODELS_DIR", blocked)
+    proc = run(capsys, "run", *EAGER)
+    assert_user_error(proc, str(blocked / "qwen" / "res"), "cannot be created", "--out")
+
+
 def test_longbench_dataset_path_that_is_a_file(tmp_path, capsys):
     afile = tmp_path / "LongBench.jsonl"
     afile.write_text('{"context": "x"}\n')

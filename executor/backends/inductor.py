@@ -329,8 +329,18 @@ class InductorStep(CompiledStep):
             cache_key,
         )
         self.scratch: ScratchDir | None = None  # the run's own compile directory, kept while the step lives
+        self.cache_lookups: dict | None = None
 
     def _call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.calls:
+            return self._run(input_ids, positions)
+        before = _fx_graph_cache_counts()
+        out = self._run(input_ids, positions)
+        after = _fx_graph_cache_counts()
+        self.cache_lookups = {k: after[k] - before[k] for k in after}
+        return out
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         try:
             return self.fn(input_ids, positions)
         except torch._dynamo.exc.BackendCompilerFailed as exc:
@@ -358,9 +368,21 @@ class InductorStep(CompiledStep):
             cache_dir=self.cache_dir,
             cache_enabled=self.cache_enabled,
             cache_key=self.cache_key,
+            cache_lookups=self.cache_lookups,
             scopes=[s.as_dict() for s in scopes],
             superkernel_ran=any(s.launches > 0 for s in scopes),
         )
+
+
+def _fx_graph_cache_counts() -> dict[str, int]:
+    """Inductor's FX graph cache lookups so far in this process (torch._dynamo's counters).
+
+    Why: whether a run's compile came from enable_cache_compile's cache is a fact to record,
+    not something to infer from compile_s, which a busy neighbour changes as much as a cache."""
+    from torch._dynamo.utils import counters
+
+    counts = counters["inductor"]
+    return {"hits": counts["fxgraph_cache_hit"], "misses": counts["fxgraph_cache_miss"]}
 
 
 def _isolated_recompiles() -> dict:
