@@ -189,14 +189,15 @@ def test_each_rank_holds_its_share_of_the_weights(ranks, one_device, name, halve
 
 
 # ----------------------------------------------------------------------------- failures
-def infer(*args: str, **kw) -> subprocess.Popen:
+def infer(*args: str, tmpdir: Path | None = None, **kw) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONWARNINGS="ignore") | ({"TMPDIR": str(tmpdir)} if tmpdir else {})
     return subprocess.Popen(
         ["bash", str(REPO / "infer.sh"), *args],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+        env=env,
         start_new_session=True,
         **kw,
     )
@@ -217,7 +218,8 @@ def test_a_user_error_the_launcher_can_see_stops_before_any_rank_starts(tmp_path
 
 def test_a_rank_with_a_user_error_ends_the_job_with_its_line(tmp_path, qwen3_ckpt):
     """A NaN weight only the ranks can find (in rank 0's half of a row-parallel layer): every rank
-    sees the same NaN logits after the all-reduce, re-runs the step to locate it, and stops."""
+    sees the same NaN logits after the all-reduce, re-runs the step to locate it, and stops.
+    The job leaves nothing in the temporary directory (torchrun's log directory is ours, removed)."""
     from safetensors.torch import load_file, save_file
 
     model = tmp_path / "nan"
@@ -225,11 +227,13 @@ def test_a_rank_with_a_user_error_ends_the_job_with_its_line(tmp_path, qwen3_ckp
     weights = load_file(str(model / "model.safetensors"))
     weights["model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
     save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
-    out_dir = tmp_path / "out"
+    out_dir, tmpdir = tmp_path / "out", tmp_path / "tmp"
+    tmpdir.mkdir()
     proc = infer(
         "--set", f"model_config.model_path={model}", "--set", "model_config.with_ckpt=true",
         "--set", "model_config.exe_mode=eager", "--set", "model_config.enable_superkernel=false",
         "--set", "model_config.enable_cache_compile=false", *(f"--set={s}" for s in DENSE_TP), "--out", str(out_dir),
+        tmpdir=tmpdir,
     )  # fmt: skip
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 2, err
@@ -238,6 +242,7 @@ def test_a_rank_with_a_user_error_ends_the_job_with_its_line(tmp_path, qwen3_ckp
     assert "exited with code 2" in lines[0] and "NaN in the logits at prefill, row 0" in lines[0], err
     assert "region layer_1_mlp" in lines[0], err
     assert "Traceback" not in out + err and not (out_dir / "metrics.json").exists()
+    assert not list(tmpdir.iterdir())  # torchrun's torchelastic_* directory used to stay behind
 
 
 def test_a_killed_rank_ends_the_job_quickly(tmp_path, qwen3_ckpt):

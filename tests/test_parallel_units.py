@@ -395,6 +395,25 @@ def test_the_failure_reported_is_the_cause_not_its_consequences(tmp_path):
     assert last_error(tmp_path / "missing.log") == "it failed before writing its log"
 
 
+def test_torchrun_logs_go_to_a_directory_of_ours_unless_the_user_names_one(tmp_path):
+    """torchrun's per-job log directory is one we remove (its default stayed in /tmp for good);
+    a `--log-dir` passed with --torchrun is the user's and kept; module arguments are not options."""
+    from executor.parallel.launch import _torchrun_log_dir
+
+    job = ["--standalone", "--nproc-per-node", "2", "--module", "executor.cli", "run"]
+    with _torchrun_log_dir(job) as args:
+        assert args[2:] == job and args[0] == "--log-dir" and Path(args[1]).is_dir()
+        ours = Path(args[1])
+    assert not ours.exists()
+    for given in (["--log-dir", str(tmp_path)], [f"--log_dir={tmp_path}"]):
+        with _torchrun_log_dir([*given, *job]) as args:
+            assert args == [*given, *job]
+    after = [*job, "--log-dir", "x"]  # after --module: the module's own argument
+    with _torchrun_log_dir(after) as args:
+        assert args[0] == "--log-dir" and args[2:] == after
+    assert tmp_path.is_dir()
+
+
 def test_npu_ranks_use_hccl_through_the_adapter():
     """The NPU side of several devices is the adapter's: bind the rank to its NPU, name HCCL."""
     import tests.npu_doubles as nd

@@ -24,6 +24,7 @@ import os
 import re
 import shlex
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,9 +87,9 @@ def launch(plan: Plan, log_dir: Path) -> int:
     if plan.platform.kind == "cpu":
         share = str(max(1, cpu_cores() // plan.per_node))
         env |= {"OMP_NUM_THREADS": share, "TORCHINDUCTOR_COMPILE_THREADS": share}
-    with environment(env), _quiet_torchrun():  # the ranks inherit this process's environment
+    with environment(env), _quiet_torchrun(), _torchrun_log_dir(plan.args) as args:  # the ranks inherit the env
         try:
-            torchrun.run(torchrun.parse_args(plan.args))
+            torchrun.run(torchrun.parse_args(args))
         except ChildFailedError as exc:
             rank, failure = root_cause(exc.failures, log_dir)
             log = rank_log(log_dir, rank)
@@ -102,6 +103,21 @@ def launch(plan: Plan, log_dir: Path) -> int:
             print(f"interrupted ({exc.sigval.name}); the ranks were stopped", file=sys.stderr)
             return EXIT_INTERRUPTED
     return 0
+
+
+@contextlib.contextmanager
+def _torchrun_log_dir(args: list[str]) -> Iterator[list[str]]:
+    """`args` with a `--log-dir` of our own, removed when the job ends, unless the user gave one.
+
+    Why: without one, torchrun makes a `torchelastic_*` directory in the temporary directory for
+    its per-rank error files and never removes it; one per job piled up (58 on one development
+    machine). Our rank logs are in the output directory, so nothing in it is needed afterwards."""
+    own = args[: args.index("--module")] if "--module" in args else args
+    if any(a.split("=", 1)[0].replace("_", "-") == "--log-dir" for a in own):
+        yield args
+        return
+    with tempfile.TemporaryDirectory(prefix="torchrun_") as logs:
+        yield ["--log-dir", logs, *args]
 
 
 _PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket Timeout")
