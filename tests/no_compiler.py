@@ -3,23 +3,18 @@ CXX pointing at nothing, in a fresh Python (a built kernel stays loaded in this 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.fresh_python import run_code
 
 
 def run_without_compiler(tmp_path: Path, code: str, tag: str) -> tuple[str, str]:
     """Run `code`, which must succeed; the build failure must be said in exactly one `[tag]` line
     naming the missing compiler, and nothing may be built. Returns (that line, stdout)."""
     cxx = tmp_path / "no" / "g++"
-    env = dict(os.environ, CXX=str(cxx), CANN_RECIPES_EXTENSIONS_DIR=str(tmp_path / "ext"))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(f"[{tag}]")]
-    assert len(lines) == 1, proc.stdout
+    stdout = run_code(code, CXX=str(cxx), CANN_RECIPES_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    lines = [line for line in stdout.splitlines() if line.startswith(f"[{tag}]")]
+    assert len(lines) == 1, stdout
     assert str(cxx) in lines[0], lines[0]
     assert not list((tmp_path / "ext").glob("*/*.so"))
-    return lines[0], proc.stdout
+    return lines[0], stdout

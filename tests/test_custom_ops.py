@@ -30,6 +30,7 @@ from executor.config import load_config
 from executor.errors import RecipeError
 from executor.ops import reference
 from executor.platform import Platform, detect
+from tests.fresh_python import run_as_capability
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -133,14 +134,8 @@ def test_the_narrower_builds_compile_and_agree(capability):
         "        k[0, :, 71:] = 0.0\n"
         "        err = (out.float() - sdpa(q, k, v, mask, d**-0.5)).abs().max().item()\n"
         "        assert err < (1e-5 if dtype == torch.float32 else 1e-2), (dtype, d, err)\n"
-        "print(torch.backends.cpu.get_cpu_capability())\n"
     )
-    if capability == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        pytest.skip("not an x86 host with AVX2")
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-1000:] + proc.stderr[-2000:]
-    assert proc.stdout.splitlines()[-1] == capability.upper()
+    run_as_capability(code, capability, timeout=600)
 
 
 def test_kernel_views_as_the_model_passes_them(kernel):

@@ -9,9 +9,6 @@ demand.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +18,7 @@ import torch.nn.functional as F
 import tests.checkpoints as ckpt
 from executor.backends import eager_linear, packed_linear
 from executor.backends.eager_linear import LinearKernel
+from tests.fresh_python import run_code
 from tests.test_qwen_dense import PROMPT, assert_close_logits, hf_logits
 
 pytestmark = pytest.mark.skipif(not packed_linear.supported(torch.float32), reason="torch built without oneDNN")
@@ -130,8 +128,5 @@ def test_the_avx512_only_kernels_are_not_built_where_they_cannot_run(tmp_path):
         "print(*[eager_linear.gemv_runs(d) for d in dtypes], *[packed_linear.kernel_runs(d) for d in dtypes])\n"
         "print(eager_attention.kernel_runs())\n"
     )
-    env = dict(os.environ, CANN_RECIPES_EXTENSIONS_DIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["False"] * 5
+    assert run_code(code, CANN_RECIPES_EXTENSIONS_DIR=str(tmp_path)).split() == ["False"] * 5
     assert not any(tmp_path.iterdir()), "a kernel was built that this CPU cannot run"

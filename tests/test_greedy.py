@@ -7,15 +7,12 @@ lanes, so lengths around a block edge matter), on rows that are not packed one a
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from executor.backends import greedy
-from tests.no_compiler import REPO, run_without_compiler
+from tests.fresh_python import run_as_capability
+from tests.no_compiler import run_without_compiler
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -117,11 +114,5 @@ def test_the_narrower_builds_agree(kernel, capability):
         "        x = torch.randn(3, vocab).to(dtype)\n"
         "        x[1, -1] = x[1].max()\n"  # a tie in the tail
         "        assert torch.equal(torch.ops.cann_cpu.greedy_tokens(x), x.argmax(-1, keepdim=True)), (dtype, vocab)\n"
-        "print(torch.backends.cpu.get_cpu_capability())\n"
     )
-    if capability == "avx2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        pytest.skip("not an x86 host with AVX2")
-    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-1000:] + proc.stderr[-2000:]
-    assert proc.stdout.splitlines()[-1] == capability.upper()
+    run_as_capability(code, capability)

@@ -36,6 +36,7 @@ import torch
 
 from executor.custom_ops._build import cpu_has_avx512, load_optional_kernel
 from executor.memo import TensorMemo
+from executor.platform import cpu_runs_bf16
 
 # Weights smaller than this (elements) stay with aten: they sit in cache, and a call of this op
 # (Python dispatch plus oneDNN's per-call setup, ~30 us on a 64 x 64 weight) would cost more than
@@ -63,11 +64,9 @@ _packed: TensorMemo[torch.Tensor] = TensorMemo()  # weight -> its packed copy, p
 def supported(dtype: torch.dtype) -> bool:
     """oneDNN is in this torch build and runs `dtype` natively on this CPU (bf16 needs avx512_bf16
     or AMX; without them oneDNN emulates it, slower than aten)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
     if dtype == torch.float32:
-        return True
-    return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return torch.backends.mkldnn.is_available()
+    return dtype == torch.bfloat16 and cpu_runs_bf16()
 
 
 # Defined with the low-level Library API, not `torch.library.custom_op`: a decode step calls it
