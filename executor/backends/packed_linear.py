@@ -9,13 +9,16 @@ against ~30 GB/s of read bandwidth. With the weight reordered once into oneDNN's
 27-29 GB/s for M = 4 in both dtypes, and at 140 (fp32) / 290 (bf16) GFLOP/s for M = 16
 (BENCHMARKS.md, "fourth pass").
 
-On a CPU with AVX-512 (AVX512-BF16 for bf16), up to a few rows, the call is this project's own
-kernel instead (`cann_cpu::rows_linear`, csrc/rows_linear.cpp) on the weight packed for its
-vector loop: on the 0.6B shape's projections at M = 4 it read the weights at 0.97-1.0x of a sum's
-rate where oneDNN read 0.73-0.78x in bf16 and 0.57-0.77x in fp32, and ran 1.1x oneDNN's GFLOP/s at
-M = 16 in bf16 (BENCHMARKS.md, "eighth" and "ninth pass"). It is compiled on first use like a
-custom op's kernel; where it cannot be built (no compiler) one line says so and oneDNN runs the
-call.
+Up to a few rows the call is this project's own kernel instead (`cann_cpu::rows_linear`,
+csrc/rows_linear.cpp) on the weight packed for its vector loop: 64-column blocks on a CPU with
+AVX-512 (AVX512-BF16 for bf16), 16-column blocks on one with AVX2 only. With AVX-512, on the 0.6B
+shape's projections at M = 4 it read the weights at 0.97-1.0x of a sum's rate where oneDNN read
+0.73-0.78x in bf16 and 0.57-0.77x in fp32, and ran 1.1x oneDNN's GFLOP/s at M = 16 in bf16
+(BENCHMARKS.md, "eighth" and "ninth pass"); for the AVX2 loop see "eighteenth pass". On an AVX2
+CPU oneDNN emulates bf16, so there the kernel is what makes a batched bf16 step stream half the
+bytes of fp32; past its rows such a call stays with aten. The kernel is compiled on first use
+like a custom op's kernel; where it cannot be built (no compiler) one line says so and oneDNN (or
+aten) runs the call.
 
 The packed copy is made on the first decode call from the live weight and kept next to it
 (executor.memo: dropped with the weight, remade if the weight is changed in place), so the compiled
@@ -34,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from executor.custom_ops._build import cpu_has_avx512, load_optional_kernel
+from executor.custom_ops._build import cpu_has_avx2, cpu_has_avx512, load_optional_kernel
 from executor.memo import TensorMemo
 from executor.platform import cpu_runs_bf16
 
@@ -44,17 +47,22 @@ from executor.platform import cpu_runs_bf16
 # projection is above.
 MIN_WEIGHT_NUMEL = 1 << 20
 
-# The kernel's limits: whole 64-column blocks (and whole k pairs in bf16), at most MAX_KERNEL_ROWS
-# rows. In the 0.6B-shape decode step (ge_graph, one process, kernel and oneDNN alternating, 5
-# rounds, median ratio) the kernel took the step to 0.75x (bf16) / 0.81x (fp32) at batch 4 and
+# The kernel's limits: whole column blocks (and whole k pairs in the AVX-512 bf16 layout), at most
+# MAX_KERNEL_ROWS rows for the AVX-512 loop, MAX_AVX2_KERNEL_ROWS for the AVX2 one. In the
+# 0.6B-shape decode step (ge_graph, one process, kernel and oneDNN alternating, 5 rounds, median
+# ratio) the AVX-512 loop took the step to 0.75x (bf16) / 0.81x (fp32) at batch 4 and
 # 0.86x / 0.91x at batch 16, but to 1.09x / 1.00x at batch 64, although alone it out-ran (bf16)
 # or matched (fp32) oneDNN there; bf16 at 32 rows gave 0.96x, inside its rounds' spread
 # (0.88-1.09). With the prefetch of the tenth pass bf16 batch 64 gave 0.96x (rounds 0.94-1.45).
 # So the cap stays where the gain is clear (BENCHMARKS.md, "eighth" to "tenth pass"). A single
 # row stays with the GEMV lowering: the kernel there made the bf16 batch-1 step 1.10x slower
 # (likely the Python dispatch of 113 calls per step; not measured apart).
-KERNEL_COLS = 64
+# The AVX2 loop beat the alternative at every batch measured on an AVX2-only host (same method):
+# the fp32 step took 0.79x, 0.59x and 0.82x of oneDNN's at batch 4, 16 and 64; the bf16 step
+# 0.27x, 0.17x and 0.16x of aten's emulated linear's (BENCHMARKS.md, "eighteenth pass"). So its
+# cap is the largest batch measured.
 MAX_KERNEL_ROWS = 16
+MAX_AVX2_KERNEL_ROWS = 64
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 KERNEL_SOURCE = Path(__file__).resolve().parent / "csrc" / "rows_linear.cpp"
 
@@ -76,7 +84,7 @@ def supported(dtype: torch.dtype) -> bool:
 _lib = torch.library.Library("cann_cpu", "DEF")
 _lib.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _lib.define("rows_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")  # kernel: csrc/rows_linear.cpp
-_lib.define("rows_supported(ScalarType dtype) -> bool")
+_lib.define("rows_supported(ScalarType dtype, int cols) -> bool")
 
 
 @functools.cache
@@ -93,42 +101,65 @@ def _kernel_library() -> bool:
     )
 
 
+def kernel_cols(dtype: torch.dtype) -> int:
+    """Columns per packed block of the kernel's loop for `dtype` on this CPU: 64 with AVX-512
+    (AVX512-BF16 for bf16), 16 with AVX2, 0 where neither runs."""
+    if dtype not in KERNEL_DTYPES:
+        return 0
+    if cpu_has_avx512(dtype):
+        return 64
+    return 16 if cpu_has_avx2() else 0
+
+
+def max_kernel_rows(dtype: torch.dtype) -> int:
+    """The most rows the kernel takes on this CPU (past them oneDNN, or aten, runs the call)."""
+    return MAX_KERNEL_ROWS if kernel_cols(dtype) == 64 else MAX_AVX2_KERNEL_ROWS
+
+
 @functools.cache
 def kernel_runs(dtype: torch.dtype) -> bool:
     """The kernel is built and loaded, and this CPU runs it for `dtype` (bf16 or fp32)."""
-    if dtype not in KERNEL_DTYPES or not supported(dtype) or not cpu_has_avx512(dtype):
-        return False
-    return _kernel_library() and bool(torch.ops.cann_cpu.rows_supported(dtype))
+    cols = kernel_cols(dtype)
+    return bool(cols) and _kernel_library() and bool(torch.ops.cann_cpu.rows_supported(dtype, cols))
 
 
 def kernel_fits(weight: torch.Tensor, rows: int) -> bool:
-    """The kernel runs this product: whole column blocks (and k pairs in bf16), few rows, a CPU with it."""
+    """The kernel runs this product: whole column blocks (and k pairs in the AVX-512 bf16 layout), few
+    rows, a CPU with it."""
     n, k = weight.shape
-    dtype = weight.dtype
-    if dtype not in KERNEL_DTYPES or n % KERNEL_COLS or rows > MAX_KERNEL_ROWS:
+    cols = kernel_cols(weight.dtype)
+    if not cols or n % cols or rows > max_kernel_rows(weight.dtype):
         return False
-    return (dtype != torch.bfloat16 or k % 2 == 0) and kernel_runs(dtype)
+    return (cols != 64 or weight.dtype != torch.bfloat16 or k % 2 == 0) and kernel_runs(weight.dtype)
 
 
-def pack_rows(weight: torch.Tensor) -> torch.Tensor:
-    """The kernel's layout, per 64-column block: bf16 (N, K) -> (N/64, K/2, 64, 2), k pairs outermost
-    (vdpbf16ps's operand); fp32 (N, K) -> (N/64, K, 64)."""
+def pack_rows(weight: torch.Tensor, cols: int | None = None) -> torch.Tensor:
+    """The kernel's layout, per block of `cols` columns (default: this CPU's, `kernel_cols`):
+    - 64, bf16: (N, K) -> (N/64, K/2, 64, 2), k pairs outermost (vdpbf16ps's operand);
+    - 64 or 16, fp32: (N, K) -> (N/cols, K, cols), each k step's columns together;
+    - 16, bf16: the same shape, each k step's columns interleaved 0, 8, 1, 9, ..., 7, 15 (the AVX2
+      loop widens the even and the odd values to fp32 with one shift and one mask)."""
     n, k = weight.shape
+    cols = cols or kernel_cols(weight.dtype)
     w = weight.detach().contiguous()
     if weight.dtype == torch.bfloat16:
-        return w.view(n // KERNEL_COLS, KERNEL_COLS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-    return w.view(n // KERNEL_COLS, KERNEL_COLS, k).permute(0, 2, 1).contiguous()
+        if cols == 64:
+            return w.view(n // cols, cols, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        return w.view(n // cols, 2, cols // 2, k).permute(0, 3, 2, 1).reshape(n // cols, k, cols)
+    return w.view(n // cols, cols, k).permute(0, 2, 1).contiguous()
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`linear(x, weight, bias)` on `weight` packed once: the kernel where it fits, else oneDNN
-    (packed for x's row count)."""
+    (packed for x's row count), or aten where oneDNN would emulate the dtype (bf16 on AVX2)."""
     rows = x.numel() // x.shape[-1]
     if kernel_fits(weight, rows):
         packed = _packed.get(weight, lambda: pack_rows(weight), "rows")
         if bias is not None and bias.dtype != torch.float32:  # the kernel adds it in fp32: convert once
             bias = _packed.get(bias, lambda: bias.detach().float(), "fp32")
         return torch.ops.cann_cpu.rows_linear(x, packed, bias)
+    if not supported(weight.dtype):
+        return torch.nn.functional.linear(x, weight, bias)
     packed = _packed.get(weight, lambda: torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows), rows)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
@@ -143,13 +174,15 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 @torch.library.register_fake("cann_cpu::rows_linear")
 def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], packed.shape[0] * KERNEL_COLS))
+    cols = packed.shape[2]  # (N/cols, K, cols) or, bf16 on AVX-512, (N/64, K/2, 64, 2)
+    return x.new_empty((*x.shape[:-1], packed.shape[0] * cols))
 
 
 def pack_batched_linears(gm: torch.fx.GraphModule) -> int:
     """Replace every `linear` with more than one input row and a weight of at least
     MIN_WEIGHT_NUMEL elements by `cann_cpu::packed_linear`. Single-row linears are left to the
-    GEMV lowering. Returns how many were replaced (0 where oneDNN cannot run the dtype natively)."""
+    GEMV lowering. Returns how many were replaced: those oneDNN runs natively, and those the
+    kernel takes (bf16 on an AVX2 CPU, where oneDNN emulates it, only up to max_kernel_rows)."""
     replaced = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not torch._C._nn.linear:
@@ -159,9 +192,10 @@ def pack_batched_linears(gm: torch.fx.GraphModule) -> int:
         weight = w.meta.get("example_value") if isinstance(w, torch.fx.Node) else None
         if not isinstance(value, torch.Tensor) or not isinstance(weight, torch.Tensor):
             continue
-        if value.numel() == value.shape[-1] or weight.numel() < MIN_WEIGHT_NUMEL or not supported(weight.dtype):
+        rows = value.numel() // value.shape[-1]
+        if rows == 1 or weight.numel() < MIN_WEIGHT_NUMEL or value.dtype != weight.dtype or weight.dim() != 2:
             continue
-        if value.dtype != weight.dtype or weight.dim() != 2:
+        if not supported(weight.dtype) and not kernel_fits(weight, rows):
             continue
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
         with gm.graph.inserting_before(node):

@@ -159,12 +159,18 @@ def load_kernel(op: str, library: str, sources: list[str], remedy: str = CUSTOM_
 
 def cpu_has_avx512(dtype: torch.dtype) -> bool:
     """This CPU runs the AVX-512 kernels for `dtype` (bf16: AVX512-BF16), as torch's cpuinfo sees
-    it. Asked before building one of the backends' AVX-512-only kernels (gemv, rows_linear,
-    causal_attention): they compile on any x86-64 host and check the CPU again themselves, but an
-    AVX2 or Arm host would build them (about 15 s each, once per machine) only to never run them."""
+    it. Asked before building one of the backends' AVX-512 kernels (gemv, causal_attention, the
+    64-column loop of rows_linear): they compile on any x86-64 host and check the CPU again
+    themselves, but an AVX2 or Arm host would build them (about 15 s each, once per machine) only
+    to never run them."""
     if dtype == torch.bfloat16:
         return torch.cpu._is_avx512_bf16_supported()
     return torch.cpu._is_avx512_supported()
+
+
+def cpu_has_avx2() -> bool:
+    """This CPU runs AVX2 code (rows_linear's 16-column loop, which also checks FMA itself)."""
+    return torch.cpu._is_avx2_supported()
 
 
 def load_optional_kernel(op: str, library: str, source: Path, tag: str, instead: str) -> bool:

@@ -1,12 +1,15 @@
 // CPU kernel of cann_cpu::rows_linear (schema, packing and use: executor/backends/packed_linear.py).
 //
 // y = x W^T + b for a few rows of x (a batched decode step: M = batch) on a weight W (N, K) packed
-// once for the vector unit, in bf16 or fp32:
-// - bf16: (N/64, K/2, 64, 2), for each block of 64 output columns the K/2 pairs of consecutive k
-//   values, 64 columns each: the operand layout of AVX512-BF16's vdpbf16ps, which multiplies 16
-//   column pairs by one broadcast pair of x and adds both products into fp32;
-// - fp32: (N/64, K, 64), for each block of 64 output columns its K rows of 64: one FMA per 16
-//   columns and broadcast x value.
+// once for the vector unit, in bf16 or fp32. Two loops, chosen by the packed layout:
+// - AVX-512, 64-column blocks:
+//   - bf16: (N/64, K/2, 64, 2), for each block of 64 output columns the K/2 pairs of consecutive k
+//     values, 64 columns each: the operand layout of AVX512-BF16's vdpbf16ps, which multiplies 16
+//     column pairs by one broadcast pair of x and adds both products into fp32;
+//   - fp32: (N/64, K, 64), for each block of 64 output columns its K rows of 64: one FMA per 16
+//     columns and broadcast x value.
+// - AVX2 + FMA, 16-column blocks, (N/16, K, 16) in either dtype (bf16 widened in registers): for a
+//   CPU without AVX-512, or without AVX512-BF16 in bf16 (further down).
 //
 // Why a kernel: at M = 1-64 a decode GEMM streams the whole weight once per step. oneDNN on a
 // weight packed for the row count read the Qwen3-0.6B projections at 0.73-0.78x of a plain fp32
@@ -19,9 +22,9 @@
 // next block (run_tiles). Blocking K as well (to keep a block in L1 across row tiles) measured
 // slower: 0.6-0.9x at M = 16-64 with chunks of 16-256 k steps (BENCHMARKS.md, "tenth pass").
 //
-// The vector code is compiled for AVX-512 per function (target attribute), so the library builds
-// with the project's usual flags on any x86-64 host; rows_supported(dtype) says whether this CPU
-// can run it, and the Python side never calls the kernel where it cannot.
+// The vector code is compiled for AVX-512 or AVX2 per function (target attribute), so the library
+// builds with the project's usual flags on any x86-64 host; rows_supported(dtype, cols) says
+// whether this CPU can run a loop, and the Python side never calls the kernel where it cannot.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -143,12 +146,119 @@ void run_tiles(const TileFn<T>* tiles, const T* x, int64_t M, int64_t K, const T
     }
   });
 }
+
+// --- AVX2 + FMA (16 ymm registers): 16-column blocks, fp32 or bf16 weights ---
+// The same loop for CPUs without AVX-512 (or, in bf16, without AVX512-BF16): a tile is up to 6
+// rows x 16 columns, 12 fp32 accumulators, 2 weight registers and one broadcast, the shape of the
+// classic AVX2 GEMM micro-kernel. The weight is packed (N/16, K, 16) in its own dtype: one 64-byte
+// line per k step in fp32, half a line in bf16, read in order. bf16 weights are widened to fp32 in
+// registers (a bf16 value is the high half of an fp32 one) and x is converted to fp32 once per call,
+// so bf16 reads half the bytes of fp32 with the same arithmetic: oneDNN has no native bf16 on such a
+// CPU and emulates it slower than fp32 (BENCHMARKS.md, "seventeenth pass").
+#define CANN_AVX2_TARGET __attribute__((target("avx2,fma")))
+
+constexpr int64_t kAvx2Cols = 16;
+
+// One k step of a packed 16-column block as two fp32 vectors, columns 0-7 and 8-15. A bf16 block
+// stores each k step's columns interleaved (0, 8, 1, 9, ..., 7, 15; pack_rows), so one 32-byte
+// load, a shift and a mask widen it: a bf16 value is the high half of an fp32 one. Widening eight
+// values at a time with vpmovzxwd instead (columns in order) ran the bf16 pass at M = 4 at 0.59x a
+// sum's rate, below the fp32 pass's bytes per second.
+template <bool kBf16>
+CANN_AVX2_TARGET inline void load_step(const void* w, int64_t k, __m256& w0, __m256& w1) {
+  if constexpr (kBf16) {
+    const auto* row = static_cast<const uint16_t*>(w) + k * kAvx2Cols;
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+    w0 = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+    w1 = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  } else {
+    w0 = _mm256_loadu_ps(static_cast<const float*>(w) + k * kAvx2Cols);
+    w1 = _mm256_loadu_ps(static_cast<const float*>(w) + k * kAvx2Cols + 8);
+  }
+}
+
+// One AVX2 tile: MB rows of fp32 x (row stride ldx) times one packed 16-column block (K steps),
+// into fp32 y (row stride ldy). It also prefetches `pf_lines` lines from `pf` on into L2, spread
+// evenly over its K steps (at most one per step; the AVX-512 loop's scheme, not measured apart on
+// this one). The loops are unrolled by pragma:
+// - rows and columns: without it GCC 12 kept the accumulators in registers but also stored all 12
+//   to the stack on every k step; the fp32 pass at M = 16 ran 56 GFLOP/s, 134 with the pragma;
+// - k, four steps: 134 -> 153 GFLOP/s in fp32 at M = 16, 106 -> 151 in bf16 (gemm_bench, one run
+//   each; oneDNN on the same packed pass: 94-97).
+template <int MB, bool kBf16>
+CANN_AVX2_TARGET inline void avx2_tile(const float* x, int64_t ldx, const void* w, int64_t K, const float* bias,
+                                       float* y, int64_t ldy, const char* pf, int64_t pf_lines) {
+  __m256 acc[MB][2];
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 2
+    for (int c = 0; c < 2; ++c) acc[m][c] = bias ? _mm256_loadu_ps(bias + c * 8) : _mm256_setzero_ps();
+  int64_t due = 0;
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 w0, w1;
+    load_step<kBf16>(w, k, w0, w1);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      const __m256 b = _mm256_broadcast_ss(x + m * ldx + k);
+      acc[m][0] = _mm256_fmadd_ps(w0, b, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(w1, b, acc[m][1]);
+    }
+    due += pf_lines;
+    if (due >= K) {
+      _mm_prefetch(pf, _MM_HINT_T1);
+      pf += 64;
+      due -= K;
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 2
+    for (int c = 0; c < 2; ++c) _mm256_storeu_ps(y + m * ldy + c * 8, acc[m][c]);
+}
+
+using Avx2TileFn = void (*)(const float*, int64_t, const void*, int64_t, const float*, float*, int64_t, const char*,
+                            int64_t);
+constexpr Avx2TileFn kAvx2F32Tiles[kRows + 1] = {
+    nullptr, avx2_tile<1, false>, avx2_tile<2, false>, avx2_tile<3, false>,
+    avx2_tile<4, false>, avx2_tile<5, false>, avx2_tile<6, false>};
+constexpr Avx2TileFn kAvx2Bf16Tiles[kRows + 1] = {
+    nullptr, avx2_tile<1, true>, avx2_tile<2, true>, avx2_tile<3, true>,
+    avx2_tile<4, true>, avx2_tile<5, true>, avx2_tile<6, true>};
+
+// run_tiles for the AVX2 layout: x and y in fp32, the weight's bytes per k step `step` (64 in
+// fp32, 32 in bf16). Every tile of rows prefetches its share of the next block (rows / M of it).
+void run_avx2_tiles(const Avx2TileFn* tiles, const float* x, int64_t M, int64_t K, const char* w, int64_t NB,
+                    int64_t step, const float* bias, float* y) {
+  const int64_t N = NB * kAvx2Cols, block = K * step, n_tiles = (M + kRows - 1) / kRows;
+  const char* stop = w + NB * block;
+  at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb) {
+      const float* bb = bias ? bias + nb * kAvx2Cols : nullptr;
+      const bool prefetch = n_tiles > 1 && nb + 1 < end;
+      const char* pf = w + (nb + 1) * block;
+      const int64_t lines = block / 64;  // the next block's lines (a bf16 block of odd K: its last half line is left)
+      for (int64_t m0 = 0, t = 0, mb = 0, given = 0; m0 < M; m0 += mb, ++t) {
+        mb = M / n_tiles + (t < M % n_tiles);
+        int64_t share = prefetch ? (lines * (m0 + mb)) / M - given : 0;
+        if (share && pf + share * 64 > stop) share = 0;  // never past the weight's end
+        tiles[mb](x + m0 * K, K, w + nb * block, K, bb, y + m0 * N + nb * kAvx2Cols, N, pf, share);
+        pf += share * 64;
+        given += share;
+      }
+    }
+  });
+}
 #endif
 
-bool rows_supported(at::ScalarType dtype) {
+// Whether this CPU runs the kernel for `dtype` on blocks of `cols` columns: 64 is the AVX-512 loop
+// (AVX512-BF16 for bf16), 16 the AVX2 + FMA one (either dtype).
+bool rows_supported(at::ScalarType dtype, int64_t cols) {
 #ifdef CANN_ROWS
-  if (dtype == at::kBFloat16) return __builtin_cpu_supports("avx512bf16");
-  if (dtype == at::kFloat) return __builtin_cpu_supports("avx512f");
+  if (dtype != at::kBFloat16 && dtype != at::kFloat) return false;
+  if (cols == kAvx2Cols) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (cols == kCols && dtype == at::kBFloat16) return __builtin_cpu_supports("avx512bf16");
+  if (cols == kCols) return __builtin_cpu_supports("avx512f");
 #endif
   return false;
 }
@@ -157,16 +267,24 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
   const at::ScalarType dtype = packed.scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "rows_linear: the packed weight must be bf16 or fp32");
   TORCH_CHECK(x.scalar_type() == dtype, "rows_linear: x is ", x.scalar_type(), ", the packed weight ", dtype);
-  TORCH_CHECK(rows_supported(dtype), "rows_linear: this CPU has no ", dtype == at::kBFloat16 ? "AVX512-BF16" : "AVX-512");
   const bool bf16 = dtype == at::kBFloat16;
-  if (bf16) {
+  // The layout says which loop: (N/16, K, 16) the AVX2 one; (N/64, K/2, 64, 2) in bf16 or
+  // (N/64, K, 64) in fp32 the AVX-512 one.
+  const bool avx2 = packed.dim() == 3 && packed.size(2) == kAvx2Cols;
+  const int64_t cols = avx2 ? kAvx2Cols : kCols;
+  if (avx2) {
+    TORCH_CHECK(packed.is_contiguous(), "rows_linear: the packed weight must be contiguous");
+  } else if (bf16) {
     TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kCols && packed.size(3) == 2 && packed.is_contiguous(),
-                "rows_linear: a bf16 weight must be packed as (N/64, K/2, 64, 2)");
+                "rows_linear: a bf16 weight must be packed as (N/64, K/2, 64, 2) or (N/16, K, 16)");
   } else {
     TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kCols && packed.is_contiguous(),
-                "rows_linear: an fp32 weight must be packed as (N/64, K, 64)");
+                "rows_linear: an fp32 weight must be packed as (N/64, K, 64) or (N/16, K, 16)");
   }
-  const int64_t NB = packed.size(0), K = bf16 ? 2 * packed.size(1) : packed.size(1), N = NB * kCols;
+  TORCH_CHECK(rows_supported(dtype, cols), "rows_linear: this CPU has no ",
+              avx2 ? "AVX2 and FMA" : (bf16 ? "AVX512-BF16" : "AVX-512"), " for a weight packed in ", cols,
+              "-column blocks");
+  const int64_t NB = packed.size(0), K = bf16 && !avx2 ? 2 * packed.size(1) : packed.size(1), N = NB * cols;
   TORCH_CHECK(x.size(-1) == K, "rows_linear: x has ", x.size(-1), " columns, the weight ", K);
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
@@ -180,7 +298,15 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
   at::Tensor y = at::empty(shape, x.options().memory_format(at::MemoryFormat::Contiguous));
 #ifdef CANN_ROWS
   const float* bp = fbias.defined() ? fbias.data_ptr<float>() : nullptr;
-  if (bf16) {
+  if (avx2) {
+    // x in fp32 once (a bf16 x is M x K values, in cache), the sums in fp32, rounded to bf16 at the end
+    const at::Tensor xf = x2.to(at::kFloat);
+    at::Tensor yf = bf16 ? at::empty({M, N}, x.options().dtype(at::kFloat)) : y;
+    run_avx2_tiles(bf16 ? kAvx2Bf16Tiles : kAvx2F32Tiles, xf.data_ptr<float>(), M, K,
+                   static_cast<const char*>(packed.data_ptr()), NB, kAvx2Cols * packed.element_size(), bp,
+                   yf.data_ptr<float>());
+    if (bf16) y.view({M, N}).copy_(yf);
+  } else if (bf16) {
     run_tiles<uint16_t>(kBf16Tiles, reinterpret_cast<const uint16_t*>(x2.data_ptr()), M, K,
                         reinterpret_cast<const uint16_t*>(packed.data_ptr()), NB, K / 2, bp,
                         reinterpret_cast<uint16_t*>(y.data_ptr()));
