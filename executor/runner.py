@@ -374,8 +374,9 @@ class ModelRunner:
         )
         if self.platform.kind == "cpu" and self.dtype_name == "bfloat16" and not cpu_runs_bf16():
             self.log(
-                "[run] bfloat16 on a CPU without AVX512-BF16 or AMX: its matmuls are emulated, slower "
-                "than float32 (model_config.dtype: float32, or auto)"
+                "[run] bfloat16 on a CPU without AVX512-BF16 or AMX: aten's matmuls (prefill, eager decode) "
+                "are emulated, slower than float32; a compiled batched decode's projections run an AVX2 kernel "
+                "(model_config.dtype: float32, or auto)"
             )
         # Warm-up on the same shapes: compiles the decode step (idempotent: same tokens, same slots).
         t0 = self.now()
