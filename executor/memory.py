@@ -279,7 +279,7 @@ def estimate(
             fill = 2 * params.largest * 4  # init_random: an fp32 randn of the largest parameter and its scaled copy
         loading = max(build, fill)
         compile_bytes = COMPILE_BASE + COMPILE_PER_LAYER * arch.num_layers if graph else 0
-        if graph and b > 1 and packed_linear.supported(dtype):
+        if graph and b > 1 and packed_linear.packs(dtype, b):
             compile_bytes += n * eb
     else:  # weights are built and loaded on the host, then moved; graphs keep their own buffers on the device
         loading = 0

@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from executor.backends import packed_linear
 from executor.cli import main as cli_main
 from executor.config import load_config
 from executor.platform import detect
@@ -181,6 +182,12 @@ def test_memory_estimate_counts_the_packed_weights_of_a_batched_cpu_graph(tmp_pa
 
     one, two = estimate("scheduler_config.batch_size=1"), estimate("scheduler_config.batch_size=2")
     assert two.compile - one.compile == two.weights
+    # bf16: oneDNN's copy where it runs bf16 natively, the kernel's where it does not (an AVX2 CPU)
+    bf16 = [estimate(f"scheduler_config.batch_size={b}", "model_config.dtype=bfloat16") for b in (1, 2)]
+    packed = packed_linear.packs(torch.bfloat16, 2)
+    assert bf16[1].compile - bf16[0].compile == (bf16[1].weights if packed else 0)
+    if torch.cpu._is_avx2_supported():
+        assert packed
 
 
 # ----------------------------------------------------------------------------- NaN / inf

@@ -142,6 +142,17 @@ def test_packed_linear_runs_the_kernel_where_it_fits_and_onednn_elsewhere(dtype)
     torch.testing.assert_close(again.float(), first.float() + 1.0, rtol=2e-2, atol=2e-2)  # a stale bias: off by 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_packs_says_whether_a_call_keeps_a_packed_copy(dtype):
+    """`packs` (what the memory estimate asks, without building the kernel) agrees with what
+    packed_linear does: a packed copy at a few rows and past the kernel's cap, except where the
+    dtype then goes to aten (bf16 on an AVX2 CPU)."""
+    for rows in (2, packed_linear.max_kernel_rows(dtype) + 1):
+        w = (torch.randn(256, 128) * 0.1).to(dtype)
+        packed_linear.packed_linear(torch.randn(rows, 128).to(dtype), w, None)
+        assert (packed_linear._packed.kept(w) is not None) == packed_linear.packs(dtype, rows), rows
+
+
 def test_no_compiler_is_one_line_and_onednn_runs_the_call(tmp_path):
     """A fresh kernel cache and CXX pointing at nothing: packed_linear says so once and gives the
     same product through oneDNN (no error: the kernel is a lowering choice, not something asked for)."""

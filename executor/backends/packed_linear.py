@@ -116,6 +116,13 @@ def max_kernel_rows(dtype: torch.dtype) -> int:
     return MAX_KERNEL_ROWS if kernel_cols(dtype) == 64 else MAX_AVX2_KERNEL_ROWS
 
 
+def packs(dtype: torch.dtype, rows: int) -> bool:
+    """A decode graph of `rows` rows keeps packed copies of its large `dtype` weights (memory
+    estimate): oneDNN runs the dtype natively, or this CPU has a loop of the kernel that takes the
+    rows (asked without building the kernel)."""
+    return supported(dtype) or (bool(kernel_cols(dtype)) and rows <= max_kernel_rows(dtype))
+
+
 @functools.cache
 def kernel_runs(dtype: torch.dtype) -> bool:
     """The kernel is built and loaded, and this CPU runs it for `dtype` (bf16 or fp32)."""
