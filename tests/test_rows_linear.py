@@ -49,21 +49,18 @@ def test_bf16_packing_puts_k_pairs_of_64_columns_together():
         assert p[nb, kp, j, t] == w[nb * 64 + j, 2 * kp + t]
 
 
-def test_fp32_packing_puts_each_k_row_of_64_columns_together():
-    w = torch.arange(128 * 5, dtype=torch.float32).view(128, 5)
-    p = packed_linear.pack_rows(w, 64)
-    assert p.shape == (2, 5, 64)
-    for nb, k, j in [(0, 0, 0), (0, 4, 1), (1, 2, 63), (1, 0, 5), (0, 3, 17)]:
-        assert p[nb, k, j] == w[nb * 64 + j, k]
+@pytest.mark.parametrize("cols", [64, 16])
+def test_fp32_packing_puts_each_k_row_of_a_block_together(cols):
+    w = torch.arange(2 * cols * 5, dtype=torch.float32).view(2 * cols, 5)
+    p = packed_linear.pack_rows(w, cols)
+    assert p.shape == (2, 5, cols)
+    for nb, k, j in [(0, 0, 0), (0, 4, 1), (1, 2, cols - 1), (1, 0, 5), (0, 3, 8)]:
+        assert p[nb, k, j] == w[nb * cols + j, k]
 
 
-def test_avx2_packing_puts_each_k_row_of_16_columns_together_interleaved_in_bf16():
-    """fp32 in column order; bf16 as 0, 8, 1, 9, ..., 7, 15 (one shift and one mask widen it)."""
+def test_avx2_bf16_packing_interleaves_each_k_row_of_16_columns():
+    """0, 8, 1, 9, ..., 7, 15: one shift and one mask widen the even and the odd values."""
     w = torch.arange(32 * 5, dtype=torch.float32).view(32, 5)
-    p = packed_linear.pack_rows(w, 16)
-    assert p.shape == (2, 5, 16)
-    for nb, k, j in [(0, 0, 0), (0, 4, 1), (1, 2, 15), (1, 0, 5), (0, 3, 8)]:
-        assert p[nb, k, j] == w[nb * 16 + j, k]
     b = packed_linear.pack_rows(w.to(torch.bfloat16), 16)
     assert b.shape == (2, 5, 16) and b.is_contiguous()
     for nb, k, j in [(0, 0, 0), (0, 4, 1), (1, 2, 15), (1, 0, 5), (0, 3, 8), (1, 1, 14)]:
