@@ -61,7 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from executor.arch import MODEL_SIZES, ModelArch, arch_from_dict  # noqa: E402
-from executor.backends import packed_linear  # noqa: E402
+from executor.backends import eager_linear, packed_linear  # noqa: E402
 from executor.config import load_config  # noqa: E402
 from executor.parallel import launch, runtime  # noqa: E402
 from executor.platform import Platform, detect, timer  # noqa: E402
@@ -173,7 +173,13 @@ def matmul_tflops(platform: Platform, dtype: torch.dtype, n: int = 1536, runs: i
         n = 8192  # an accelerator needs a large product to reach its rate
     a, b = (torch.randn(n, n, device=platform.kind).to(dtype) for _ in range(2))
     products = [lambda: a @ b]
-    if platform.kind == "cpu" and packed_linear.supported(dtype):
+    if platform.kind == "cpu" and eager_linear.rows_run_plain(dtype):
+        # bf16 where oneDNN would emulate it (an AVX2 host): aten's product ran at 0.8 GFLOP/s
+        # (~9 s a call) there, and the runner's bf16 GEMMs run the rows kernel instead (150
+        # GFLOP/s on that product; BENCHMARKS.md, "nineteenth pass")
+        weight = b.t().contiguous()
+        products = [lambda: torch.ops.cann_cpu.rows_linear(a, weight, None)]
+    elif platform.kind == "cpu" and packed_linear.supported(dtype):
         # The fastest of the CPU's libraries: aten's fp32 product is MKL's sgemm, which ran at
         # 0.13 TFLOP/s on the AMD reference machine where oneDNN ran the same product at 0.21
         # (what the runner's prefill and batched decode use); a roofline on the slower one flatters.

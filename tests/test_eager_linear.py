@@ -1,5 +1,6 @@
 """Large linears that run eagerly on CPU (executor.backends.eager_linear): fp32 GEMMs go through
-oneDNN, products of 1-4 rows in bf16 and fp32 through the `cann_cpu::gemv` kernel.
+oneDNN, products of 1-4 rows in bf16 and fp32 through the `cann_cpu::gemv` kernel (AVX-512 or
+AVX2), bf16 GEMMs through `cann_cpu::rows_linear` where oneDNN would emulate bf16.
 
 The tiny test models' weights are below the size where the switch applies, so a checkpoint with
 one large projection is built here; against transformers (aten's sgemm) the prefill logits and the
@@ -42,23 +43,38 @@ def test_qualifying_linears_run_through_onednn_with_the_same_result():
     torch.testing.assert_close(got_small, want_small, rtol=0, atol=0)
 
 
-def test_many_bf16_rows_and_autograd_stay_with_aten():
+def test_autograd_stays_with_aten():
     big = torch.nn.Linear(256, LARGE)
     x = torch.randn(4, 256, requires_grad=True)
     mode = LinearKernel()
     mode.linear(x, big.weight, big.bias).sum().backward()  # an op with a graph to record is left to aten
-    with torch.no_grad():
-        big.to(torch.bfloat16)
-        mode.linear(x.detach().bfloat16().repeat(2, 1), big.weight, big.bias)  # 8 rows: aten calls oneDNN for bf16
-    assert (mode.onednn_calls, mode.gemv_calls) == (0, 0)
+    assert (mode.onednn_calls, mode.gemv_calls, mode.rows_calls) == (0, 0, 0)
     assert x.grad is not None
+
+
+def test_many_bf16_rows_go_to_the_rows_kernel_only_where_onednn_would_emulate_bf16():
+    """Where oneDNN runs bf16 natively, aten's linear (which calls it) keeps them; where it would
+    emulate bf16 (an AVX2 host), the rows kernel takes a weight of whole 16-row blocks as stored."""
+    torch.manual_seed(0)
+    big = torch.nn.Linear(256, LARGE).to(torch.bfloat16)
+    x = torch.randn(8, 256).to(torch.bfloat16)
+    mode = LinearKernel()
+    with torch.no_grad():
+        got = mode.linear(x, big.weight, big.bias)
+        mode.linear(x, big.weight[:-8], big.bias[:-8])  # N not a multiple of 16: aten
+    want = F.linear(x.double(), big.weight.double(), big.bias.double())
+    takes = not packed_linear.supported(torch.bfloat16) and packed_linear.kernel_cols(torch.bfloat16) == 16
+    plain = eager_linear.rows_run_plain(torch.bfloat16)
+    assert plain == (takes and packed_linear.kernel_runs(torch.bfloat16))
+    assert (mode.onednn_calls, mode.gemv_calls, mode.rows_calls) == (0, 0, int(plain))
+    torch.testing.assert_close(got.double(), want, rtol=8e-3, atol=1e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("shape", [(1, 1, 250), (4, 250), (1, 3, 250)])
 def test_one_to_four_rows_run_the_gemv_kernel(dtype, shape):
     if not eager_linear.gemv_runs(dtype):
-        pytest.skip(f"no AVX-512{'-BF16' if dtype == torch.bfloat16 else ''} here, or no compiler for the kernel")
+        pytest.skip("neither AVX-512 nor AVX2 here, or no compiler for the kernel")
     torch.manual_seed(0)
     big = torch.nn.Linear(250, 2 * LARGE).to(dtype)  # K = 250: a masked tail in both dtypes
     x = torch.randn(shape).to(dtype)
@@ -93,13 +109,14 @@ def test_prefill_uses_onednn_and_matches_hf(wide_ckpt, make_qwen_runner):
         "kernel": "onednn",
         "onednn_calls": 2,
         "gemv_calls": 0,
+        "rows_calls": 0,
     }
 
 
 def test_eager_decode_runs_the_gemv_kernel_and_matches_hf(wide_ckpt, make_qwen_runner):
     """The eager decode step's large linear (one row) runs the kernel; the tokens stay HF's."""
     if not eager_linear.gemv_runs(torch.float32):
-        pytest.skip("no AVX-512 here, or no compiler for the kernel")
+        pytest.skip("neither AVX-512 nor AVX2 here, or no compiler for the kernel")
     runner, ref = make_qwen_runner(wide_ckpt, "model_config.exe_mode=eager"), ckpt.load_reference(wide_ckpt)
     expected = ckpt.reference_greedy(ref, PROMPT, 8)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -110,22 +127,26 @@ def test_eager_decode_runs_the_gemv_kernel_and_matches_hf(wide_ckpt, make_qwen_r
     assert runner.prefill_kernels.to_metrics()["prefill_linears"]["gemv_calls"] == 0
 
 
-def test_bf16_takes_the_gemv_kernel_and_small_models_keep_aten(wide_ckpt, qwen3_ckpt, make_qwen_runner):
-    assert make_qwen_runner(wide_ckpt, "model_config.dtype=bfloat16").prefill_kernels.linear_kernel == "gemv"
+def test_bf16_takes_the_kernels_and_small_models_keep_aten(wide_ckpt, qwen3_ckpt, make_qwen_runner):
+    """bf16: the GEMV kernel for a few rows; more rows go to oneDNN through aten where it runs bf16
+    natively, to the rows kernel where it would emulate it (the prefill then matches HF's logits)."""
+    runner = make_qwen_runner(wide_ckpt, "model_config.dtype=bfloat16")
+    native = packed_linear.supported(torch.bfloat16)
+    assert runner.prefill_kernels.linear_kernel == ("gemv" if native else "gemv+rows_linear")
+    if eager_linear.rows_run_plain(torch.bfloat16):
+        first = runner.generate([PROMPT], 1).first_logits[0].float()
+        want = hf_logits(ckpt.load_reference(wide_ckpt), PROMPT)[-1]  # fp32: bf16 is checked by cosine
+        assert F.cosine_similarity(first, want, dim=0) > 0.99
+        assert runner.prefill_kernels.to_metrics()["prefill_linears"]["rows_calls"] == 2  # gate_up, down
     assert make_qwen_runner(qwen3_ckpt).prefill_kernels.linear_kernel == "aten"  # every weight below the limit
 
 
-def test_the_avx512_only_kernels_are_not_built_where_they_cannot_run(tmp_path):
-    """gemv and causal_attention run on AVX-512 only: on another host (an AVX2 VM, an Arm server)
-    asking for them must say no without building them (about 15 s each, wasted), in a fresh Python
-    with an empty kernel cache. (rows_linear has an AVX2 loop too: tests/test_rows_linear.py.)"""
+def test_the_avx512_only_kernel_is_not_built_where_it_cannot_run(tmp_path):
+    """causal_attention runs on AVX-512 only: on another host (an AVX2 VM, an Arm server) asking
+    for it must say no without building it (about 15 s, wasted), in a fresh Python with an empty
+    kernel cache. (gemv and rows_linear have AVX2 loops too.)"""
     if torch.cpu._is_avx512_supported():
-        pytest.skip("this CPU has AVX-512: the kernels are built and run here (tests/test_eager_attention.py)")
-    code = (
-        "import torch\n"
-        "from executor.backends import eager_attention, eager_linear\n"
-        "print(*[eager_linear.gemv_runs(d) for d in (torch.float32, torch.bfloat16)])\n"
-        "print(eager_attention.kernel_runs())\n"
-    )
-    assert run_code(code, CANN_RECIPES_EXTENSIONS_DIR=str(tmp_path)).split() == ["False"] * 3
+        pytest.skip("this CPU has AVX-512: the kernel is built and run here (tests/test_eager_attention.py)")
+    code = "from executor.backends import eager_attention\nprint(eager_attention.kernel_runs())\n"
+    assert run_code(code, CANN_RECIPES_EXTENSIONS_DIR=str(tmp_path)).split() == ["False"]
     assert not any(tmp_path.iterdir()), "a kernel was built that this CPU cannot run"

@@ -2,7 +2,8 @@
 (executor.backends.packed_linear), against fp32 `linear` on the same values.
 
 It has two loops, chosen by the packed layout: 64-column blocks for AVX-512 (AVX512-BF16 in bf16)
-and 16-column blocks for AVX2. Every loop this CPU runs is tested (an AVX-512 host runs both).
+and 16-column blocks for AVX2, which also takes a weight as stored, (N, K), packing as it goes.
+Every loop this CPU runs is tested (an AVX-512 host runs both).
 The kernel needs a C++ compiler and an x86-64 CPU with AVX2; where one is missing the kernel tests
 skip, while the packing and no-compiler tests run everywhere.
 """
@@ -96,13 +97,35 @@ def test_kernel_takes_strided_and_batched_rows(dtype):
     torch.testing.assert_close(y.float(), reference(x, w, None), **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 6, 13, 200])
+def test_a_weight_as_stored_gives_what_the_packed_one_gives(dtype, rows):
+    """The AVX2 loop on an unpacked (N, K) weight (the eager bf16 prefill where oneDNN would emulate
+    bf16) packs each block itself into the same layout, so its result is the packed call's, bit for
+    bit: also with K odd, a bias, and weight rows further apart than K (a slice of a wider one)."""
+    if not loop_runs(dtype, 16):
+        pytest.skip("this CPU does not run the 16-column loop")
+    torch.manual_seed(rows)
+    wide = (torch.randn(48, 301) * 0.05).to(dtype)
+    w, b, x = wide[:, :299], torch.randn(48).to(dtype), torch.randn(rows, 299).to(dtype)
+    assert w.stride(0) == 301
+    y = torch.ops.cann_cpu.rows_linear(x, w, b)
+    assert y.dtype == dtype and y.shape == (rows, 48)
+    assert torch.equal(y, torch.ops.cann_cpu.rows_linear(x, packed_linear.pack_rows(w.contiguous(), 16), b))
+    torch.testing.assert_close(y.float(), reference(x, w, b), **TOLERANCE[dtype])
+
+
 @needs_f32_kernel
 def test_kernel_refuses_a_weight_that_is_not_packed_or_of_another_dtype():
     w = torch.randn(128, 64)
     with pytest.raises(RuntimeError, match=r"packed as \(N/64, K/2, 64, 2\) or \(N/16, K, 16\)"):
-        torch.ops.cann_cpu.rows_linear(torch.randn(2, 64).to(torch.bfloat16), w.to(torch.bfloat16), None)
+        torch.ops.cann_cpu.rows_linear(torch.randn(2, 128).to(torch.bfloat16), w.t().to(torch.bfloat16)[None], None)
     with pytest.raises(RuntimeError, match=r"packed as \(N/64, K, 64\) or \(N/16, K, 16\)"):
-        torch.ops.cann_cpu.rows_linear(torch.randn(2, 64), w, None)
+        torch.ops.cann_cpu.rows_linear(torch.randn(2, 128), w.t()[None], None)
+    with pytest.raises(RuntimeError, match="N a multiple of 16"):
+        torch.ops.cann_cpu.rows_linear(torch.randn(2, 64), w[:120], None)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        torch.ops.cann_cpu.rows_linear(torch.randn(2, 128), w.t(), None)
     with pytest.raises(RuntimeError, match="x is BFloat16, the packed weight Float"):
         torch.ops.cann_cpu.rows_linear(torch.randn(2, 64).to(torch.bfloat16), packed_linear.pack_rows(w), None)
 

@@ -4,13 +4,20 @@ Why oneDNN: in this torch build aten's fp32 `linear` is MKL's sgemm, and on the 
 machine (an AMD EPYC) it ran the Qwen3-0.6B prefill's GEMMs at 60-90 GFLOP/s, while oneDNN, which
 this build also carries, ran the same products 1.2-1.7x faster on the plain, unpacked weight (M =
 128-2048 rows; a square product: 133 against 207 GFLOP/s; BENCHMARKS.md, "sixth pass"). The fp32
-prefill is ~90% GEMMs, so this is most of its time. bf16 GEMMs are left alone: aten already sends
-them to oneDNN.
+prefill is ~90% GEMMs, so this is most of its time. bf16 GEMMs are left alone where oneDNN runs
+bf16 natively (AVX512-BF16 or AMX): aten already sends them to it.
+
+Why the rows kernel for bf16 GEMMs elsewhere (`cann_cpu::rows_linear` on the weight as stored,
+csrc/rows_linear.cpp): on a CPU without native bf16 (an AVX2 host) oneDNN emulates bf16, and aten's
+linear ran the 0.6B prefill's products at 11-21 GFLOP/s; the kernel's AVX2 loop, packing each
+16-row block of the weight as it goes, ran them at 70-157, and the whole bf16 prefill of 128
+tokens took 0.21x the time (BENCHMARKS.md, "nineteenth pass").
 
 Why a kernel for 1-4 rows (`cann_cpu::gemv`, csrc/gemv.cpp): with a row or a few (the eager
 decode step; the prefill's last-token logits) a linear is a stream over the weight, and aten
 streamed the 0.6B shape's bf16 weights at 15-19 GB/s where the machine reads ~33-35
-(BENCHMARKS.md, "twelfth pass"). The kernel reads the weight as stored, at the read bandwidth.
+(BENCHMARKS.md, "twelfth pass"). The kernel reads the weight as stored, at the read bandwidth
+(an AVX-512 loop, or an AVX2 one).
 It is built on the first call that needs it; where it cannot be, one line says so and aten
 runs those calls.
 
@@ -31,12 +38,13 @@ from pathlib import Path
 import torch
 
 from executor.backends import packed_linear
-from executor.custom_ops._build import cpu_has_avx512, load_optional_kernel
+from executor.custom_ops._build import cpu_has_avx2, cpu_has_avx512, load_optional_kernel
 from executor.ops import reference
 
 GEMV_MAX_ROWS = 4  # the kernel's limit (csrc/gemv.cpp)
 GEMV_DTYPES = (torch.bfloat16, torch.float32)
 GEMV_SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cpp"
+PLAIN_COLS = 16  # rows_linear's AVX2 loop, which alone takes a weight as stored (N a multiple of it)
 
 _lib = torch.library.Library("cann_cpu", "FRAGMENT")  # the namespace is defined by packed_linear
 _lib.define("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
@@ -59,7 +67,7 @@ def gemv_runs(dtype: torch.dtype) -> bool:
     """The kernel is built and loaded (once per machine / process) and this CPU runs it for `dtype`."""
     return (
         dtype in GEMV_DTYPES
-        and cpu_has_avx512(dtype)
+        and (cpu_has_avx512(dtype) or cpu_has_avx2())
         and _gemv_library()
         and bool(torch.ops.cann_cpu.gemv_supported(dtype))
     )
@@ -78,14 +86,27 @@ def _large(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     )
 
 
+@functools.cache
+def rows_run_plain(dtype: torch.dtype) -> bool:
+    """bf16 products of more rows go to `cann_cpu::rows_linear` on the weight as stored: oneDNN
+    would emulate bf16 on this CPU (no AVX512-BF16 or AMX) and the kernel's AVX2 loop runs here."""
+    return (
+        dtype == torch.bfloat16
+        and not packed_linear.supported(dtype)
+        and packed_linear.kernel_cols(dtype) == PLAIN_COLS
+        and packed_linear.kernel_runs(dtype)
+    )
+
+
 class LinearKernel:
     """`linear` for the op table: the GEMV kernel for 1-4 rows of a large CPU weight in bf16 or
-    fp32, oneDNN for more rows in fp32, the reference otherwise; the counts are what
-    metrics.json reports."""
+    fp32; for more rows oneDNN in fp32, and in bf16 the rows kernel where oneDNN would emulate
+    bf16; the reference otherwise. The counts are what metrics.json reports."""
 
     def __init__(self):
         self.onednn_calls = 0
         self.gemv_calls = 0
+        self.rows_calls = 0
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if _large(x, weight, bias):
@@ -97,15 +118,21 @@ class LinearKernel:
                 self.onednn_calls += 1
                 out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), weight, bias, "none", [], "")
                 return out.view(*x.shape[:-1], weight.shape[0])
+            if weight.stride(1) == 1 and weight.shape[0] % PLAIN_COLS == 0 and rows_run_plain(weight.dtype):
+                self.rows_calls += 1
+                return torch.ops.cann_cpu.rows_linear(x, weight, bias)
         return reference.linear(x, weight, bias)
 
 
 def kernel_for(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str:
-    """What a run's large linears get: "onednn" (fp32), "gemv" (bf16: its few-row products) or
-    "aten" (another device or dtype, or no weight large enough)."""
+    """What a run's large linears get: "onednn" (fp32), "gemv" (bf16: its few-row products),
+    "gemv+rows_linear" (bf16 where oneDNN would emulate it: the rows kernel takes the others) or
+    "aten" (another device or dtype, or no weight large enough). Asking builds no kernel."""
     large = any(p.dim() == 2 and p.numel() >= packed_linear.MIN_WEIGHT_NUMEL for p in model.parameters())
     if device.type != "cpu" or not large:
         return "aten"
     if dtype == torch.float32 and packed_linear.supported(dtype):
         return "onednn"
+    if dtype == torch.bfloat16 and not packed_linear.supported(dtype) and packed_linear.kernel_cols(dtype):
+        return "gemv+rows_linear"
     return "gemv" if dtype in GEMV_DTYPES else "aten"

@@ -183,6 +183,8 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 @torch.library.register_fake("cann_cpu::rows_linear")
 def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if packed.dim() == 2:  # the weight as stored, (N, K)
+        return x.new_empty((*x.shape[:-1], packed.shape[0]))
     cols = packed.shape[2]  # (N/cols, K, cols) or, bf16 on AVX-512, (N/64, K/2, 64, 2)
     return x.new_empty((*x.shape[:-1], packed.shape[0] * cols))
 

@@ -14,8 +14,14 @@
 // Four rows at a time, interleaved 64 bytes each, read the lm_head at 1.3x an fp32 sum's time
 // on one thread at 14.7 GB/s: 4 streams 2 KB apart defeated the prefetcher.
 //
-// The vector code is compiled for AVX-512 per function (target attribute); gemv_supported(dtype)
-// says whether this CPU can run it, and the Python side never calls the kernel where it cannot.
+// A CPU without AVX-512 (or, in bf16, without AVX512-BF16) runs an AVX2 + FMA loop instead, with
+// bf16 widened in registers (avx2_row): there aten's bf16 linear is emulated by oneDNN and streamed
+// the 0.6B shape's weights at 16-17 GB/s for one row and 4.5-5 GB/s for four, where this loop read
+// 32-33 and 16-19 (BENCHMARKS.md, "nineteenth pass").
+//
+// The vector code is compiled for AVX-512 or AVX2 per function (target attribute);
+// gemv_supported(dtype) says whether this CPU can run one of the loops, and the Python side never
+// calls the kernel where it cannot.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -99,18 +105,126 @@ using RowFn = void (*)(const T*, int64_t, const T*, int64_t, float, T*, int64_t)
 constexpr RowFn<uint16_t> kBf16[kMaxRows] = {bf16_row<1>, bf16_row<2>, bf16_row<3>, bf16_row<4>};
 constexpr RowFn<float> kF32[kMaxRows] = {f32_row<1>, f32_row<2>, f32_row<3>, f32_row<4>};
 
-template <typename T>
-void run(RowFn<T> fn, const T* x, int64_t M, const T* w, int64_t ldw, int64_t N, int64_t K, const float* bias, T* y) {
+// --- AVX2 + FMA (16 ymm registers), for a CPU without AVX-512 (or, in bf16, without AVX512-BF16) ---
+// x is fp32 here in either dtype (converted once per call, in cache). A bf16 weight row is read 16
+// values (32 bytes) at a time and widened in registers: a bf16 value is the high half of an fp32
+// one, so a shift gives the values at even k and a mask the values at odd k. x is stored to match
+// (split_x): per 16 k values, the 8 at even k, then the 8 at odd k. The k values past the last
+// whole 16 are summed in scalar code.
+#define CANN_AVX2_TARGET __attribute__((target("avx2,fma")))
+
+CANN_AVX2_TARGET inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float widen(uint16_t v) { return c10::BFloat16(v, c10::BFloat16::from_bits()); }
+
+// One output of MB rows, AVX2. kBf16: the weight is bf16, x split as above; else both are fp32.
+// Two accumulators per row and 16 k values (two 8-wide halves), two 16-value steps per iteration
+// with one or two rows (8 accumulators), one with three or four.
+template <int MB, bool kBf16>
+CANN_AVX2_TARGET inline void avx2_row(const float* x, int64_t ldx, const void* wv, int64_t K, float bias, float* y,
+                                      int64_t ldy) {
+  constexpr int U = MB <= 2 ? 2 : 1;
+  __m256 acc[MB][2 * U];
+#pragma GCC unroll 4
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 4
+    for (int u = 0; u < 2 * U; ++u) acc[m][u] = _mm256_setzero_ps();
+  const int64_t K16 = K / 16 * 16;
+  int64_t k = 0;
+  for (; k + 16 * U <= K16; k += 16 * U) {
+#pragma GCC unroll 2
+    for (int u = 0; u < U; ++u) {
+      __m256 w0, w1;
+      if constexpr (kBf16) {
+        const __m256i raw =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(wv) + k + 16 * u));
+        w0 = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+        w1 = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+      } else {
+        w0 = _mm256_loadu_ps(static_cast<const float*>(wv) + k + 16 * u);
+        w1 = _mm256_loadu_ps(static_cast<const float*>(wv) + k + 16 * u + 8);
+      }
+#pragma GCC unroll 4
+      for (int m = 0; m < MB; ++m) {
+        acc[m][2 * u] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * ldx + k + 16 * u), acc[m][2 * u]);
+        acc[m][2 * u + 1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * ldx + k + 16 * u + 8), acc[m][2 * u + 1]);
+      }
+    }
+  }
+  for (; k < K16; k += 16) {  // one 16-value step left over (U = 2)
+    __m256 w0, w1;
+    if constexpr (kBf16) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(wv) + k));
+      w0 = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+      w1 = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    } else {
+      w0 = _mm256_loadu_ps(static_cast<const float*>(wv) + k);
+      w1 = _mm256_loadu_ps(static_cast<const float*>(wv) + k + 8);
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; ++m) {
+      acc[m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * ldx + k), acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * ldx + k + 8), acc[m][1]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < MB; ++m) {
+    __m256 sum = acc[m][0];
+#pragma GCC unroll 4
+    for (int u = 1; u < 2 * U; ++u) sum = _mm256_add_ps(sum, acc[m][u]);
+    float s = hsum8(sum) + bias;
+    for (int64_t t = K16; t < K; ++t) {
+      const float w = kBf16 ? widen(static_cast<const uint16_t*>(wv)[t]) : static_cast<const float*>(wv)[t];
+      s += w * x[m * ldx + t];
+    }
+    y[m * ldy] = s;
+  }
+}
+
+using Avx2RowFn = void (*)(const float*, int64_t, const void*, int64_t, float, float*, int64_t);
+constexpr Avx2RowFn kAvx2Bf16[kMaxRows] = {avx2_row<1, true>, avx2_row<2, true>, avx2_row<3, true>,
+                                           avx2_row<4, true>};
+constexpr Avx2RowFn kAvx2F32[kMaxRows] = {avx2_row<1, false>, avx2_row<2, false>, avx2_row<3, false>,
+                                          avx2_row<4, false>};
+
+// x (M, K) in fp32 as the bf16 loop reads it: per whole 16 k values, the 8 at even k then the 8 at
+// odd k; the rest in order.
+at::Tensor split_x(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), K16 = K / 16 * 16;
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  if (K16 == 0) return xf;
+  at::Tensor head = xf.narrow(1, 0, K16).view({M, K16 / 16, 8, 2}).transpose(2, 3).reshape({M, K16});
+  return K16 == K ? head.contiguous() : at::cat({head, xf.narrow(1, K16, K - K16)}, 1).contiguous();
+}
+
+// Every output n of the weight (N, K), rows `ldw` bytes apart, in parallel: fn(x, K, row n, K,
+// bias, y + n, N). T is x's and y's type, W the weight's.
+template <typename T, typename W, typename Fn>
+void run(Fn fn, const T* x, int64_t M, const W* w, int64_t ldw, int64_t N, int64_t K, const float* bias, T* y) {
+  const char* base = reinterpret_cast<const char*>(w);
   at::parallel_for(0, N, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) fn(x, K, w + n * ldw, K, bias ? bias[n] : 0.0f, y + n, N);
+    for (int64_t n = begin; n < end; ++n)
+      fn(x, K, reinterpret_cast<const W*>(base + n * ldw), K, bias ? bias[n] : 0.0f, y + n, N);
   });
+}
+#endif
+
+#ifdef CANN_GEMV
+// Which loop runs `dtype` on this CPU: the AVX-512 one where it can, else the AVX2 one.
+bool avx512_for(at::ScalarType dtype) {
+  return dtype == at::kBFloat16 ? __builtin_cpu_supports("avx512bf16") : __builtin_cpu_supports("avx512f");
 }
 #endif
 
 bool gemv_supported(at::ScalarType dtype) {
 #ifdef CANN_GEMV
-  if (dtype == at::kBFloat16) return __builtin_cpu_supports("avx512bf16");
-  if (dtype == at::kFloat) return __builtin_cpu_supports("avx512f");
+  if (dtype != at::kBFloat16 && dtype != at::kFloat) return false;
+  return avx512_for(dtype) || (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
 #endif
   return false;
 }
@@ -119,7 +233,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
   const at::ScalarType dtype = weight.scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "gemv: the weight must be bf16 or fp32");
   TORCH_CHECK(x.scalar_type() == dtype, "gemv: x is ", x.scalar_type(), ", the weight ", dtype);
-  TORCH_CHECK(gemv_supported(dtype), "gemv: this CPU has no ", dtype == at::kBFloat16 ? "AVX512-BF16" : "AVX-512");
+  TORCH_CHECK(gemv_supported(dtype), "gemv: this CPU has neither AVX-512 nor AVX2 and FMA");
   TORCH_CHECK(weight.dim() == 2 && weight.stride(1) == 1, "gemv: the weight must be (N, K) with contiguous rows");
   const int64_t N = weight.size(0), K = weight.size(1);
   TORCH_CHECK(x.size(-1) == K, "gemv: x has ", x.size(-1), " columns, the weight ", K);
@@ -136,13 +250,20 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
   at::Tensor y = at::empty(shape, x.options().memory_format(at::MemoryFormat::Contiguous));
 #ifdef CANN_GEMV
   const float* bp = fbias.defined() ? fbias.data_ptr<float>() : nullptr;
-  if (dtype == at::kBFloat16) {
-    run<uint16_t>(kBf16[M - 1], reinterpret_cast<const uint16_t*>(x2.data_ptr()), M,
-                  reinterpret_cast<const uint16_t*>(weight.data_ptr()), weight.stride(0), N, K, bp,
-                  reinterpret_cast<uint16_t*>(y.data_ptr()));
+  if (!avx512_for(dtype)) {
+    const bool bf16 = dtype == at::kBFloat16;
+    const at::Tensor xf = bf16 ? split_x(x2) : x2;
+    at::Tensor yf = bf16 ? at::empty({M, N}, x.options().dtype(at::kFloat)) : y;
+    run<float, void>((bf16 ? kAvx2Bf16 : kAvx2F32)[M - 1], xf.data_ptr<float>(), M, weight.data_ptr(),
+                     weight.stride(0) * weight.element_size(), N, K, bp, yf.data_ptr<float>());
+    if (bf16) y.view({M, N}).copy_(yf);  // round to nearest even, as aten does
+  } else if (dtype == at::kBFloat16) {
+    run<uint16_t, uint16_t>(kBf16[M - 1], reinterpret_cast<const uint16_t*>(x2.data_ptr()), M,
+                            reinterpret_cast<const uint16_t*>(weight.data_ptr()), weight.stride(0) * 2, N, K, bp,
+                            reinterpret_cast<uint16_t*>(y.data_ptr()));
   } else {
-    run<float>(kF32[M - 1], x2.data_ptr<float>(), M, weight.data_ptr<float>(), weight.stride(0), N, K, bp,
-               y.data_ptr<float>());
+    run<float, float>(kF32[M - 1], x2.data_ptr<float>(), M, weight.data_ptr<float>(), weight.stride(0) * 4, N, K,
+                      bp, y.data_ptr<float>());
   }
 #endif
   return y;

@@ -226,26 +226,59 @@ constexpr Avx2TileFn kAvx2Bf16Tiles[kRows + 1] = {
     nullptr, avx2_tile<1, true>, avx2_tile<2, true>, avx2_tile<3, true>,
     avx2_tile<4, true>, avx2_tile<5, true>, avx2_tile<6, true>};
 
+// Every tile of rows of x (M, K) times one packed AVX2 block `blk` (K steps), into y's 16 columns
+// at `yb` (row stride N). Each tile also prefetches its share of `lines` lines from `pf` on into L2
+// (rows / M of them, the AVX-512 loop's scheme; run_tiles): the next block, while this one computes.
+inline void avx2_block(const Avx2TileFn* tiles, const float* x, int64_t M, int64_t K, const void* blk,
+                       const float* bias, float* yb, int64_t N, const char* pf, int64_t lines) {
+  const int64_t n_tiles = (M + kRows - 1) / kRows;
+  for (int64_t m0 = 0, t = 0, mb = 0, given = 0; m0 < M; m0 += mb, ++t) {
+    mb = M / n_tiles + (t < M % n_tiles);
+    const int64_t share = n_tiles > 1 ? (lines * (m0 + mb)) / M - given : 0;
+    tiles[mb](x + m0 * K, K, blk, K, bias, yb + m0 * N, N, pf, share);
+    pf += share * 64;
+    given += share;
+  }
+}
+
 // run_tiles for the AVX2 layout: x and y in fp32, the weight's bytes per k step `step` (64 in
-// fp32, 32 in bf16). Every tile of rows prefetches its share of the next block (rows / M of it).
+// fp32, 32 in bf16).
 void run_avx2_tiles(const Avx2TileFn* tiles, const float* x, int64_t M, int64_t K, const char* w, int64_t NB,
                     int64_t step, const float* bias, float* y) {
-  const int64_t N = NB * kAvx2Cols, block = K * step, n_tiles = (M + kRows - 1) / kRows;
-  const char* stop = w + NB * block;
+  const int64_t N = NB * kAvx2Cols, block = K * step;
   at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
     for (int64_t nb = begin; nb < end; ++nb) {
-      const float* bb = bias ? bias + nb * kAvx2Cols : nullptr;
-      const bool prefetch = n_tiles > 1 && nb + 1 < end;
-      const char* pf = w + (nb + 1) * block;
-      const int64_t lines = block / 64;  // the next block's lines (a bf16 block of odd K: its last half line is left)
-      for (int64_t m0 = 0, t = 0, mb = 0, given = 0; m0 < M; m0 += mb, ++t) {
-        mb = M / n_tiles + (t < M % n_tiles);
-        int64_t share = prefetch ? (lines * (m0 + mb)) / M - given : 0;
-        if (share && pf + share * 64 > stop) share = 0;  // never past the weight's end
-        tiles[mb](x + m0 * K, K, w + nb * block, K, bb, y + m0 * N + nb * kAvx2Cols, N, pf, share);
-        pf += share * 64;
-        given += share;
+      // the next block's lines (a bf16 block of odd K: its last half line is left), none past the weight
+      const int64_t lines = nb + 1 < end ? block / 64 : 0;
+      avx2_block(tiles, x, M, K, w + nb * block, bias ? bias + nb * kAvx2Cols : nullptr, y + nb * kAvx2Cols, N,
+                 w + (nb + 1) * block, lines);
+    }
+  });
+}
+
+// The AVX2 loop on a weight as stored, (N, K) with rows `ldw` elements apart: for a product of many
+// rows (an eager prefill in bf16 on a CPU where oneDNN emulates bf16). Each thread packs one
+// 16-column block at a time into its own buffer, in pack_rows's layout, and runs every tile of
+// rows on it: the block's K x 16 values are copied once per M rows of compute. While a block
+// computes, the next one's 16 weight rows are prefetched (one region where the rows are
+// contiguous): without that, packing read 16 short streams from memory with the core waiting.
+template <typename W>
+void run_avx2_plain(const Avx2TileFn* tiles, const float* x, int64_t M, int64_t K, const W* w, int64_t ldw,
+                    int64_t NB, const float* bias, float* y) {
+  const int64_t N = NB * kAvx2Cols, block = kAvx2Cols * K * static_cast<int64_t>(sizeof(W));
+  at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
+    std::vector<W> buf(K * kAvx2Cols);
+    for (int64_t nb = begin; nb < end; ++nb) {
+      for (int64_t c = 0; c < kAvx2Cols; ++c) {
+        // a bf16 block stores each k step's columns as 0, 8, 1, 9, ..., 7, 15 (load_step)
+        const int64_t slot = sizeof(W) == 2 ? (c < 8 ? 2 * c : 2 * (c - 8) + 1) : c;
+        const W* src = w + (nb * kAvx2Cols + c) * ldw;
+        W* dst = buf.data() + slot;
+        for (int64_t k = 0; k < K; ++k) dst[k * kAvx2Cols] = src[k];
       }
+      const int64_t lines = nb + 1 < end && ldw == K ? block / 64 : 0;
+      avx2_block(tiles, x, M, K, buf.data(), bias ? bias + nb * kAvx2Cols : nullptr, y + nb * kAvx2Cols, N,
+                 reinterpret_cast<const char*>(w + (nb + 1) * kAvx2Cols * ldw), lines);
     }
   });
 }
@@ -270,9 +303,13 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
   const bool bf16 = dtype == at::kBFloat16;
   // The layout says which loop: (N/16, K, 16) the AVX2 one; (N/64, K/2, 64, 2) in bf16 or
   // (N/64, K, 64) in fp32 the AVX-512 one.
-  const bool avx2 = packed.dim() == 3 && packed.size(2) == kAvx2Cols;
+  const bool plain = packed.dim() == 2;
+  const bool avx2 = plain || (packed.dim() == 3 && packed.size(2) == kAvx2Cols);
   const int64_t cols = avx2 ? kAvx2Cols : kCols;
-  if (avx2) {
+  if (plain) {
+    TORCH_CHECK(packed.stride(1) == 1 && packed.size(0) % kAvx2Cols == 0,
+                "rows_linear: a weight as stored must be (N, K) with contiguous rows and N a multiple of 16");
+  } else if (avx2) {
     TORCH_CHECK(packed.is_contiguous(), "rows_linear: the packed weight must be contiguous");
   } else if (bf16) {
     TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kCols && packed.size(3) == 2 && packed.is_contiguous(),
@@ -284,7 +321,8 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
   TORCH_CHECK(rows_supported(dtype, cols), "rows_linear: this CPU has no ",
               avx2 ? "AVX2 and FMA" : (bf16 ? "AVX512-BF16" : "AVX-512"), " for a weight packed in ", cols,
               "-column blocks");
-  const int64_t NB = packed.size(0), K = bf16 && !avx2 ? 2 * packed.size(1) : packed.size(1), N = NB * cols;
+  const int64_t NB = plain ? packed.size(0) / kAvx2Cols : packed.size(0);
+  const int64_t K = plain ? packed.size(1) : (bf16 && !avx2 ? 2 * packed.size(1) : packed.size(1)), N = NB * cols;
   TORCH_CHECK(x.size(-1) == K, "rows_linear: x has ", x.size(-1), " columns, the weight ", K);
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
@@ -302,9 +340,17 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
     // x in fp32 once (a bf16 x is M x K values, in cache), the sums in fp32, rounded to bf16 at the end
     const at::Tensor xf = x2.to(at::kFloat);
     at::Tensor yf = bf16 ? at::empty({M, N}, x.options().dtype(at::kFloat)) : y;
-    run_avx2_tiles(bf16 ? kAvx2Bf16Tiles : kAvx2F32Tiles, xf.data_ptr<float>(), M, K,
-                   static_cast<const char*>(packed.data_ptr()), NB, kAvx2Cols * packed.element_size(), bp,
-                   yf.data_ptr<float>());
+    const Avx2TileFn* tiles = bf16 ? kAvx2Bf16Tiles : kAvx2F32Tiles;
+    if (plain && bf16) {
+      run_avx2_plain<uint16_t>(tiles, xf.data_ptr<float>(), M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr()),
+                               packed.stride(0), NB, bp, yf.data_ptr<float>());
+    } else if (plain) {
+      run_avx2_plain<float>(tiles, xf.data_ptr<float>(), M, K, packed.data_ptr<float>(), packed.stride(0), NB, bp,
+                            yf.data_ptr<float>());
+    } else {
+      run_avx2_tiles(tiles, xf.data_ptr<float>(), M, K, static_cast<const char*>(packed.data_ptr()), NB,
+                     kAvx2Cols * packed.element_size(), bp, yf.data_ptr<float>());
+    }
     if (bf16) y.view({M, N}).copy_(yf);
   } else if (bf16) {
     run_tiles<uint16_t>(kBf16Tiles, reinterpret_cast<const uint16_t*>(x2.data_ptr()), M, K,
