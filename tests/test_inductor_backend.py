@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from executor.backends import packed_linear
+from executor.backends import eager_linear, packed_linear
 from executor.backends.graph_passes import (
     INDUCTOR_DECOMPOSE_MAX_DIM,
     REDUCED_PRECISION_MAX_SLOTS,
@@ -79,6 +79,37 @@ def test_large_gemv_compiles_to_the_same_result(superkernel):
     if superkernel:
         scope = compiled.compiler.stats.scopes["big"]
         assert scope.segments == 1 and scope.launches == 1
+
+
+@pytest.mark.parametrize("superkernel", [False, True])
+def test_a_large_bf16_gemv_calls_the_kernel_where_bf16_is_not_native(superkernel):
+    """On a CPU without AVX512-BF16 or AMX (an AVX2 host) a large single-row bf16 linear becomes a
+    `cann_cpu::gemv` call, not a reduction: Inductor's widened bf16 reduction ran below the read
+    bandwidth there. Elsewhere (and in fp32) it stays a reduction. Either compiles to the same
+    result, and the kernel call joins a SuperKernel scope's launch unit."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 3 * INDUCTOR_DECOMPOSE_MAX_DIM).to(torch.bfloat16)
+    x = torch.randn(1, 1, 256).to(torch.bfloat16)
+    gm = _trace(lambda x: lin(x), x)
+    assert _gemv_to_reduction(gm) == 1
+    kernel = eager_linear.gemv_in_graphs(torch.bfloat16)
+    targets = [n.target for n in gm.graph.nodes]
+    assert targets.count(torch.ops.cann_cpu.gemv.default) == int(kernel)
+    assert targets.count(torch.ops.prims.inductor_force_stride_order.default) == int(not kernel)
+
+    def step(x, _positions):
+        with superkernel_scope(superkernel, "big", ""):
+            return torch.relu(lin(x * 2.0))
+
+    with torch.no_grad():
+        compiled = compile_inductor(step, superkernel, "cpu")
+        got, want = (
+            compiled(x, None).float(),
+            torch.relu(torch.nn.functional.linear(x.float() * 2.0, lin.weight.float(), lin.bias.float())),
+        )
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    if superkernel:
+        assert compiled.compiler.stats.scopes["big"].segments == 1
 
 
 def test_batched_linears_above_the_size_limit_become_packed_calls():

@@ -40,6 +40,7 @@ import torch
 from executor.backends import packed_linear
 from executor.custom_ops._build import cpu_has_avx2, cpu_has_avx512, load_optional_kernel
 from executor.ops import reference
+from executor.platform import cpu_runs_bf16
 
 GEMV_MAX_ROWS = 4  # the kernel's limit (csrc/gemv.cpp)
 GEMV_DTYPES = (torch.bfloat16, torch.float32)
@@ -49,6 +50,11 @@ PLAIN_COLS = 16  # rows_linear's AVX2 loop, which alone takes a weight as stored
 _lib = torch.library.Library("cann_cpu", "FRAGMENT")  # the namespace is defined by packed_linear
 _lib.define("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _lib.define("gemv_supported(ScalarType dtype) -> bool")
+
+
+@torch.library.register_fake("cann_cpu::gemv")  # a compiled graph may call it (gemv_in_graphs)
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @functools.cache
@@ -84,6 +90,17 @@ def _large(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         and (bias is None or bias.dtype == weight.dtype)
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
     )
+
+
+@functools.cache
+def gemv_in_graphs(dtype: torch.dtype) -> bool:
+    """A compiled decode graph's large single-row linears call the GEMV kernel instead of becoming
+    Inductor's generated reductions (executor.backends.graph_passes): bf16 on a CPU without
+    AVX512-BF16 or AMX. There the reduction widened bf16 in generated code at 15-19 GB/s even
+    from cache, below the read bandwidth, while the kernel read the 0.6B shape's weights at
+    25-60 (BENCHMARKS.md, "nineteenth pass"). Where bf16 is native, or in fp32, the reduction
+    keeps up with memory and stays (one kernel fewer to call per projection)."""
+    return dtype == torch.bfloat16 and not cpu_runs_bf16() and gemv_runs(dtype)
 
 
 @functools.cache

@@ -15,6 +15,7 @@ import operator
 
 import torch
 
+from executor.backends.eager_linear import gemv_in_graphs
 from executor.backends.packed_linear import MIN_WEIGHT_NUMEL, pack_batched_linears
 
 
@@ -45,7 +46,9 @@ def _gemv_to_reduction(gm: torch.fx.GraphModule, decomposes_small: bool = False)
     input row is materialised first (Inductor's force_stride_order copy): left to Inductor, the
     norm before a projection was recomputed inside the reduction per weight row, which made the
     bf16 0.6B-shape step compute-bound (SK decoder 63 -> 37 ms/step once stored; BENCHMARKS.md).
-    Returns how many linears were rewritten.
+    In bf16 on a CPU without native bf16 (an AVX2 host) the large ones call the GEMV kernel
+    instead (`cann_cpu::gemv`; eager_linear.gemv_in_graphs says why). Returns how many linears
+    were rewritten either way.
     """
     rewritten = 0
     for node in list(gm.graph.nodes):
@@ -57,8 +60,17 @@ def _gemv_to_reduction(gm: torch.fx.GraphModule, decomposes_small: bool = False)
         weight = w.meta.get("example_value") if isinstance(w, torch.fx.Node) else None
         if not isinstance(value, torch.Tensor) or value.numel() != value.shape[-1] or weight is None:
             continue
+        large = weight.numel() >= MIN_WEIGHT_NUMEL and weight.dim() == 2
+        if large and value.dtype == weight.dtype and weight.stride(-1) == 1 and gemv_in_graphs(weight.dtype):
+            with gm.graph.inserting_before(node):
+                out = gm.graph.call_function(torch.ops.cann_cpu.gemv.default, (x, w, bias))
+            out.meta.update(node.meta)
+            node.replace_all_uses_with(out)
+            gm.graph.erase_node(node)
+            rewritten += 1
+            continue
         small = max(weight.shape) <= INDUCTOR_DECOMPOSE_MAX_DIM
-        if small and (decomposes_small or weight.numel() < MIN_WEIGHT_NUMEL):
+        if small and (decomposes_small or not large):
             continue  # Inductor's decomposition does these better; small ones sit in cache anyway
         with gm.graph.inserting_before(node):
             # Store the input row before the reduction reads it: otherwise Inductor inlines the
