@@ -374,9 +374,9 @@ class ModelRunner:
         )
         if self.platform.kind == "cpu" and self.dtype_name == "bfloat16" and not cpu_runs_bf16():
             self.log(
-                "[run] bfloat16 on a CPU without AVX512-BF16 or AMX: aten's matmuls (prefill, eager decode) "
-                "are emulated, slower than float32; a compiled batched decode's projections run an AVX2 kernel "
-                "(model_config.dtype: float32, or auto)"
+                "[run] bfloat16 on a CPU without AVX512-BF16 or AMX: the large projections run AVX2 kernels "
+                "of ours (bf16 widened to fp32 in registers); aten's other bf16 matmuls (attention, small "
+                "weights) are emulated"
             )
         # Warm-up on the same shapes: compiles the decode step (idempotent: same tokens, same slots).
         t0 = self.now()
