@@ -122,6 +122,20 @@ CANN_AVX2_TARGET inline float hsum8(__m256 v) {
 
 inline float widen(uint16_t v) { return c10::BFloat16(v, c10::BFloat16::from_bits()); }
 
+// 16 weight values from `k` on as two fp32 vectors: the values at even and at odd k (bf16), or
+// k..k+7 and k+8..k+15 (fp32).
+template <bool kBf16>
+CANN_AVX2_TARGET inline void load16(const void* wv, int64_t k, __m256& w0, __m256& w1) {
+  if constexpr (kBf16) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(wv) + k));
+    w0 = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+    w1 = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  } else {
+    w0 = _mm256_loadu_ps(static_cast<const float*>(wv) + k);
+    w1 = _mm256_loadu_ps(static_cast<const float*>(wv) + k + 8);
+  }
+}
+
 // One output of MB rows, AVX2. kBf16: the weight is bf16, x split as above; else both are fp32.
 // Two accumulators per row and 16 k values (two 8-wide halves), two 16-value steps per iteration
 // with one or two rows (8 accumulators), one with three or four.
@@ -140,15 +154,7 @@ CANN_AVX2_TARGET inline void avx2_row(const float* x, int64_t ldx, const void* w
 #pragma GCC unroll 2
     for (int u = 0; u < U; ++u) {
       __m256 w0, w1;
-      if constexpr (kBf16) {
-        const __m256i raw =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(wv) + k + 16 * u));
-        w0 = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-        w1 = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-      } else {
-        w0 = _mm256_loadu_ps(static_cast<const float*>(wv) + k + 16 * u);
-        w1 = _mm256_loadu_ps(static_cast<const float*>(wv) + k + 16 * u + 8);
-      }
+      load16<kBf16>(wv, k + 16 * u, w0, w1);
 #pragma GCC unroll 4
       for (int m = 0; m < MB; ++m) {
         acc[m][2 * u] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * ldx + k + 16 * u), acc[m][2 * u]);
@@ -158,14 +164,7 @@ CANN_AVX2_TARGET inline void avx2_row(const float* x, int64_t ldx, const void* w
   }
   for (; k < K16; k += 16) {  // one 16-value step left over (U = 2)
     __m256 w0, w1;
-    if constexpr (kBf16) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(wv) + k));
-      w0 = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-      w1 = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-    } else {
-      w0 = _mm256_loadu_ps(static_cast<const float*>(wv) + k);
-      w1 = _mm256_loadu_ps(static_cast<const float*>(wv) + k + 8);
-    }
+    load16<kBf16>(wv, k, w0, w1);
 #pragma GCC unroll 4
     for (int m = 0; m < MB; ++m) {
       acc[m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * ldx + k), acc[m][0]);
