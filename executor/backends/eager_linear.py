@@ -10,8 +10,9 @@ bf16 natively (AVX512-BF16 or AMX): aten already sends them to it.
 Why the rows kernel for bf16 GEMMs elsewhere (`cann_cpu::rows_linear` on the weight as stored,
 csrc/rows_linear.cpp): on a CPU without native bf16 (an AVX2 host) oneDNN emulates bf16, and aten's
 linear ran the 0.6B prefill's products at 11-21 GFLOP/s; the kernel's AVX2 loop, packing each
-16-row block of the weight as it goes, ran them at 70-157, and the whole bf16 prefill of 128
-tokens took 0.21x the time (BENCHMARKS.md, "nineteenth pass").
+16-row block of the weight as it goes, ran them within 1.01x of its time on a packed copy at 128
+rows, and the whole bf16 prefill of 128 tokens took 0.18x the time (BENCHMARKS.md, "nineteenth
+pass").
 
 Why a kernel for 1-4 rows (`cann_cpu::gemv`, csrc/gemv.cpp): with a row or a few (the eager
 decode step; the prefill's last-token logits) a linear is a stream over the weight, and aten
