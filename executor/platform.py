@@ -184,9 +184,9 @@ def _cpu_name() -> str:
 def cpu_runs_bf16() -> bool:
     """This CPU multiplies bf16 natively (AVX512-BF16 or AMX, what oneDNN needs). Without it aten's
     bf16 matmuls convert on the fly: on an AVX2-only host the 0.6B batch-4 bf16 decode step took
-    1.7x the fp32 one (BENCHMARKS.md, seventeenth pass), so a bf16 run there is told so. (The
-    compiled decode's batched projections now run rows_linear's AVX2 loop there instead: that step
-    took 0.27x the emulated one's time, "eighteenth pass"; the prefill and eager still pay.)"""
+    1.7x the fp32 one (BENCHMARKS.md, seventeenth pass), so a bf16 run there is told so. (The large
+    projections of the prefill and of every decode step now run AVX2 kernels of ours there instead,
+    "eighteenth" and "nineteenth pass"; attention and small weights still pay.)"""
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 

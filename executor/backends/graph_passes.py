@@ -16,7 +16,7 @@ import operator
 import torch
 
 from executor.backends.eager_linear import gemv_in_graphs
-from executor.backends.packed_linear import MIN_WEIGHT_NUMEL, pack_batched_linears
+from executor.backends.packed_linear import MIN_WEIGHT_NUMEL, call_instead, pack_batched_linears
 
 
 def _stored(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node:
@@ -62,11 +62,7 @@ def _gemv_to_reduction(gm: torch.fx.GraphModule, decomposes_small: bool = False)
             continue
         large = weight.numel() >= MIN_WEIGHT_NUMEL and weight.dim() == 2
         if large and value.dtype == weight.dtype and weight.stride(-1) == 1 and gemv_in_graphs(weight.dtype):
-            with gm.graph.inserting_before(node):
-                out = gm.graph.call_function(torch.ops.cann_cpu.gemv.default, (x, w, bias))
-            out.meta.update(node.meta)
-            node.replace_all_uses_with(out)
-            gm.graph.erase_node(node)
+            call_instead(gm, node, torch.ops.cann_cpu.gemv.default)
             rewritten += 1
             continue
         small = max(weight.shape) <= INDUCTOR_DECOMPOSE_MAX_DIM

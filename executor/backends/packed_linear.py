@@ -208,12 +208,20 @@ def pack_batched_linears(gm: torch.fx.GraphModule) -> int:
             continue
         if not supported(weight.dtype) and not kernel_fits(weight, rows):
             continue
-        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-        with gm.graph.inserting_before(node):
-            out = gm.graph.call_function(torch.ops.cann_cpu.packed_linear.default, (x, w, bias))
-        out.meta.update(node.meta)
-        node.replace_all_uses_with(out)
-        gm.graph.erase_node(node)
+        call_instead(gm, node, torch.ops.cann_cpu.packed_linear.default)
         replaced += 1
     gm.recompile()
     return replaced
+
+
+def call_instead(gm: torch.fx.GraphModule, node: torch.fx.Node, op) -> torch.fx.Node:
+    """Put `op(x, weight, bias)` in the place of the `linear` node `node` (its inputs, its meta).
+    The graph passes replace linears with this project's ops through it."""
+    x, w = node.args[0], node.args[1]
+    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+    with gm.graph.inserting_before(node):
+        out = gm.graph.call_function(op, (x, w, bias))
+    out.meta.update(node.meta)
+    node.replace_all_uses_with(out)
+    gm.graph.erase_node(node)
+    return out
