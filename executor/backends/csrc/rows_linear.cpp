@@ -177,10 +177,17 @@ CANN_AVX2_TARGET inline void load_step(const void* w, int64_t k, __m256& w0, __m
   }
 }
 
+// How far ahead in its own block the AVX2 tile asks for the weight's next lines (into L1). With
+// one row or a few, each 32 bytes of weight feed only a few FMAs, and the out-of-order window
+// alone held too few lines in flight: in one process, alternating, 7 rounds, this prefetch read
+// the 0.6B projections 1.11-1.15x faster in fp32 and 1.09-1.22x in bf16 at 4 rows (three runs;
+// 2048 bytes: 1.17x and 1.08x), 1.03x at 16 rows (BENCHMARKS.md, "twentieth pass").
+constexpr int64_t kAvx2Ahead = 1024;
+
 // One AVX2 tile: MB rows of fp32 x (row stride ldx) times one packed 16-column block (K steps),
-// into fp32 y (row stride ldy). It also prefetches `pf_lines` lines from `pf` on into L2, spread
-// evenly over its K steps (at most one per step; the AVX-512 loop's scheme, not measured apart on
-// this one). The loops are unrolled by pragma:
+// into fp32 y (row stride ldy). Besides the prefetch kAvx2Ahead bytes ahead, it prefetches
+// `pf_lines` lines from `pf` on into L2, spread evenly over its K steps (at most one per step; the
+// AVX-512 loop's scheme, not measured apart on this one). The loops are unrolled by pragma:
 // - rows and columns: without it GCC 12 kept the accumulators in registers but also stored all 12
 //   to the stack on every k step; the fp32 pass at M = 16 ran 56 GFLOP/s, 134 with the pragma;
 // - k, four steps: 134 -> 153 GFLOP/s in fp32 at M = 16, 106 -> 151 in bf16 (gemm_bench, one run
@@ -198,6 +205,8 @@ CANN_AVX2_TARGET inline void avx2_tile(const float* x, int64_t ldx, const void* 
   for (int64_t k = 0; k < K; ++k) {
     __m256 w0, w1;
     load_step<kBf16>(w, k, w0, w1);
+    if (!kBf16 || (k & 1) == 0)  // once per 64-byte line of this block: 2 k steps in bf16, 1 in fp32
+      _mm_prefetch(static_cast<const char*>(w) + k * (kBf16 ? 32 : 64) + kAvx2Ahead, _MM_HINT_T0);
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) {
       const __m256 b = _mm256_broadcast_ss(x + m * ldx + k);
