@@ -177,15 +177,16 @@ CANN_AVX2_TARGET inline void load_step(const void* w, int64_t k, __m256& w0, __m
   }
 }
 
-// How far ahead in its own block the AVX2 tile asks for the weight's next lines (into L1). With
-// one row or a few, each 32 bytes of weight feed only a few FMAs, and the out-of-order window
-// alone held too few lines in flight: in one process, alternating, 7 rounds, this prefetch read
-// the 0.6B projections 1.11-1.15x faster in fp32 and 1.09-1.22x in bf16 at 4 rows (three runs;
-// 2048 bytes: 1.17x and 1.08x), 1.03x at 16 rows (BENCHMARKS.md, "twentieth pass").
+// How far ahead in its own block the AVX2 tile asks for the weight's next lines (into L1), when
+// one tile takes all the rows (avx2_block). With a few rows each 32 bytes of weight feed only a
+// few FMAs, and the out-of-order window alone held too few lines in flight: in one process,
+// alternating, 7 rounds, this prefetch read the 0.6B projections 1.11-1.15x faster in fp32 and
+// 1.09-1.22x in bf16 at 4 rows (three runs; 2048 bytes: 1.17x and 1.08x), and took the ge_graph
+// batch-4 step to 0.88-0.91x (bf16) and 0.93x (fp32) of its time (BENCHMARKS.md, "twentieth pass").
 constexpr int64_t kAvx2Ahead = 1024;
 
 // One AVX2 tile: MB rows of fp32 x (row stride ldx) times one packed 16-column block (K steps),
-// into fp32 y (row stride ldy). Besides the prefetch kAvx2Ahead bytes ahead, it prefetches
+// into fp32 y (row stride ldy). Besides the prefetch `ahead` bytes ahead in w (0: none), it prefetches
 // `pf_lines` lines from `pf` on into L2, spread evenly over its K steps (at most one per step; the
 // AVX-512 loop's scheme, not measured apart on this one). The loops are unrolled by pragma:
 // - rows and columns: without it GCC 12 kept the accumulators in registers but also stored all 12
@@ -194,7 +195,7 @@ constexpr int64_t kAvx2Ahead = 1024;
 //   each; oneDNN on the same packed pass: 94-97).
 template <int MB, bool kBf16>
 CANN_AVX2_TARGET inline void avx2_tile(const float* x, int64_t ldx, const void* w, int64_t K, const float* bias,
-                                       float* y, int64_t ldy, const char* pf, int64_t pf_lines) {
+                                       float* y, int64_t ldy, const char* pf, int64_t pf_lines, int64_t ahead) {
   __m256 acc[MB][2];
 #pragma GCC unroll 8
   for (int m = 0; m < MB; ++m)
@@ -205,8 +206,8 @@ CANN_AVX2_TARGET inline void avx2_tile(const float* x, int64_t ldx, const void* 
   for (int64_t k = 0; k < K; ++k) {
     __m256 w0, w1;
     load_step<kBf16>(w, k, w0, w1);
-    if (!kBf16 || (k & 1) == 0)  // once per 64-byte line of this block: 2 k steps in bf16, 1 in fp32
-      _mm_prefetch(static_cast<const char*>(w) + k * (kBf16 ? 32 : 64) + kAvx2Ahead, _MM_HINT_T0);
+    if (ahead && (!kBf16 || (k & 1) == 0))  // once per 64-byte line: 2 k steps in bf16, 1 in fp32
+      _mm_prefetch(static_cast<const char*>(w) + k * (kBf16 ? 32 : 64) + ahead, _MM_HINT_T0);
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) {
       const __m256 b = _mm256_broadcast_ss(x + m * ldx + k);
@@ -227,7 +228,7 @@ CANN_AVX2_TARGET inline void avx2_tile(const float* x, int64_t ldx, const void* 
 }
 
 using Avx2TileFn = void (*)(const float*, int64_t, const void*, int64_t, const float*, float*, int64_t, const char*,
-                            int64_t);
+                            int64_t, int64_t);
 constexpr Avx2TileFn kAvx2F32Tiles[kRows + 1] = {
     nullptr, avx2_tile<1, false>, avx2_tile<2, false>, avx2_tile<3, false>,
     avx2_tile<4, false>, avx2_tile<5, false>, avx2_tile<6, false>};
@@ -238,13 +239,16 @@ constexpr Avx2TileFn kAvx2Bf16Tiles[kRows + 1] = {
 // Every tile of rows of x (M, K) times one packed AVX2 block `blk` (K steps), into y's 16 columns
 // at `yb` (row stride N). Each tile also prefetches its share of `lines` lines from `pf` on into L2
 // (rows / M of them, the AVX-512 loop's scheme; run_tiles): the next block, while this one computes.
+// Where one tile takes all the rows (M <= 6) it also prefetches `ahead` bytes ahead in the block
+// (0: none). With more rows that prefetch cost more than it gained: in every tile it made the bf16
+// batch-16 step 1.14-1.17x slower, in the first tile only the fp32 one 1.09x (in-process A/B).
 inline void avx2_block(const Avx2TileFn* tiles, const float* x, int64_t M, int64_t K, const void* blk,
-                       const float* bias, float* yb, int64_t N, const char* pf, int64_t lines) {
+                       const float* bias, float* yb, int64_t N, const char* pf, int64_t lines, int64_t ahead) {
   const int64_t n_tiles = (M + kRows - 1) / kRows;
   for (int64_t m0 = 0, t = 0, mb = 0, given = 0; m0 < M; m0 += mb, ++t) {
     mb = M / n_tiles + (t < M % n_tiles);
     const int64_t share = n_tiles > 1 ? (lines * (m0 + mb)) / M - given : 0;
-    tiles[mb](x + m0 * K, K, blk, K, bias, yb + m0 * N, N, pf, share);
+    tiles[mb](x + m0 * K, K, blk, K, bias, yb + m0 * N, N, pf, share, n_tiles == 1 ? ahead : 0);
     pf += share * 64;
     given += share;
   }
@@ -260,7 +264,7 @@ void run_avx2_tiles(const Avx2TileFn* tiles, const float* x, int64_t M, int64_t 
       // the next block's lines (a bf16 block of odd K: its last half line is left), none past the weight
       const int64_t lines = nb + 1 < end ? block / 64 : 0;
       avx2_block(tiles, x, M, K, w + nb * block, bias ? bias + nb * kAvx2Cols : nullptr, y + nb * kAvx2Cols, N,
-                 w + (nb + 1) * block, lines);
+                 w + (nb + 1) * block, lines, kAvx2Ahead);
     }
   });
 }
@@ -327,7 +331,7 @@ void run_avx2_plain(const Avx2TileFn* tiles, const float* x, int64_t M, int64_t 
       }
       const int64_t lines = nb + 1 < end && ldw == K ? block / 64 : 0;
       avx2_block(tiles, x, M, K, buf.data(), bias ? bias + nb * kAvx2Cols : nullptr, y + nb * kAvx2Cols, N,
-                 reinterpret_cast<const char*>(w + (nb + 1) * kAvx2Cols * ldw), lines);
+                 reinterpret_cast<const char*>(w + (nb + 1) * kAvx2Cols * ldw), lines, 0);  // buf: just written
     }
   });
 }
