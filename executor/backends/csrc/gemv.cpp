@@ -136,6 +136,12 @@ CANN_AVX2_TARGET inline void load16(const void* wv, int64_t k, __m256& w0, __m25
   }
 }
 
+// How far ahead in the weight row the bf16 AVX2 loop asks for its next line (into L1). In one
+// process against the loop without it (the 0.6B projections, 7 alternating rounds, two runs) it read
+// 1.05-1.11x faster at 1 row and 1.08-1.13x at 4; 4 KB ahead was slower at 1 row (0.84-0.90x). fp32
+// keeps the loop without it: 0.89-0.93x at 1 row (BENCHMARKS.md, "twentieth pass").
+constexpr int64_t kAvx2Ahead = 1024;
+
 // One output of MB rows, AVX2. kBf16: the weight is bf16, x split as above; else both are fp32.
 // Two accumulators per row and 16 k values (two 8-wide halves), two 16-value steps per iteration
 // with one or two rows (8 accumulators), one with three or four.
@@ -151,6 +157,7 @@ CANN_AVX2_TARGET inline void avx2_row(const float* x, int64_t ldx, const void* w
   const int64_t K16 = K / 16 * 16;
   int64_t k = 0;
   for (; k + 16 * U <= K16; k += 16 * U) {
+    if constexpr (kBf16) _mm_prefetch(static_cast<const char*>(wv) + 2 * k + kAvx2Ahead, _MM_HINT_T0);
 #pragma GCC unroll 2
     for (int u = 0; u < U; ++u) {
       __m256 w0, w1;
