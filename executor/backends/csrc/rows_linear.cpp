@@ -182,7 +182,7 @@ CANN_AVX2_TARGET inline void load_step(const void* w, int64_t k, __m256& w0, __m
 // few FMAs, and the out-of-order window alone held too few lines in flight: in one process,
 // alternating, 7 rounds, this prefetch read the 0.6B projections 1.11-1.15x faster in fp32 and
 // 1.09-1.22x in bf16 at 4 rows (three runs; 2048 bytes: 1.17x and 1.08x), and took the ge_graph
-// batch-4 step to 0.88-0.91x (bf16) and 0.93x (fp32) of its time (BENCHMARKS.md, "twentieth pass").
+// batch-4 step to 0.88-0.93x (bf16) and 0.93x (fp32) of its time (BENCHMARKS.md, "twentieth pass").
 constexpr int64_t kAvx2Ahead = 1024;
 
 // One AVX2 tile: MB rows of fp32 x (row stride ldx) times one packed 16-column block (K steps),
