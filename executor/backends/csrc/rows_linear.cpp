@@ -239,9 +239,10 @@ constexpr Avx2TileFn kAvx2Bf16Tiles[kRows + 1] = {
 // Every tile of rows of x (M, K) times one packed AVX2 block `blk` (K steps), into y's 16 columns
 // at `yb` (row stride N). Each tile also prefetches its share of `lines` lines from `pf` on into L2
 // (rows / M of them, the AVX-512 loop's scheme; run_tiles): the next block, while this one computes.
-// Where one tile takes all the rows (M <= 6) it also prefetches `ahead` bytes ahead in the block
-// (0: none). With more rows that prefetch cost more than it gained: in every tile it made the bf16
-// batch-16 step 1.14-1.17x slower, in the first tile only the fp32 one 1.09x (in-process A/B).
+// A single tile (M <= 6) gets no share of the next block; it prefetches `ahead` bytes ahead in its
+// own block instead (0: none), so every row count has one of the two. With more rows the in-block
+// prefetch cost more than it gained: in every tile it made the bf16 batch-16 step 1.14-1.17x
+// slower, in the first tile only the fp32 one 1.09x (in-process A/B).
 inline void avx2_block(const Avx2TileFn* tiles, const float* x, int64_t M, int64_t K, const void* blk,
                        const float* bias, float* yb, int64_t N, const char* pf, int64_t lines, int64_t ahead) {
   const int64_t n_tiles = (M + kRows - 1) / kRows;
