@@ -177,12 +177,15 @@ CANN_AVX2_TARGET inline void load_step(const void* w, int64_t k, __m256& w0, __m
   }
 }
 
-// How far ahead in its own block the AVX2 tile asks for the weight's next lines (into L1), when
-// one tile takes all the rows (avx2_block). With a few rows each 32 bytes of weight feed only a
+// How far ahead in its own block the fp32 AVX2 tile asks for the weight's next lines (into L1),
+// when one tile takes all the rows (avx2_block). With a few rows each line of weight feeds only a
 // few FMAs, and the out-of-order window alone held too few lines in flight: in one process,
-// alternating, 7 rounds, this prefetch read the 0.6B projections 1.11-1.15x faster in fp32 and
-// 1.09-1.22x in bf16 at 4 rows (three runs; 2048 bytes: 1.17x and 1.08x), and took the ge_graph
-// batch-4 step to 0.88-0.93x (bf16) and 0.93x (fp32) of its time (BENCHMARKS.md, "twentieth pass").
+// alternating, 7 rounds, this prefetch read the 0.6B projections 1.11-1.15x faster in fp32 at 4
+// rows (three runs; 2048 bytes: 1.17x) and took the ge_graph batch-4 step to 0.93x of its time.
+// A bf16 tile instead takes the next block's lines into L2, as tiles of larger products do: 1 KB
+// is only ~32 of its k steps ahead, and the next block spread over the whole block read its
+// projections 1.11-1.26x faster than the 1 KB and took the batch-4 step to 0.91-0.95x (fp32:
+// 0.91-0.97x and 1.03x, so fp32 keeps this one). BENCHMARKS.md, "twentieth" and "twenty-first pass".
 constexpr int64_t kAvx2Ahead = 1024;
 
 // One AVX2 tile: MB rows of fp32 x (row stride ldx) times one packed 16-column block (K steps),
@@ -239,16 +242,16 @@ constexpr Avx2TileFn kAvx2Bf16Tiles[kRows + 1] = {
 // Every tile of rows of x (M, K) times one packed AVX2 block `blk` (K steps), into y's 16 columns
 // at `yb` (row stride N). Each tile also prefetches its share of `lines` lines from `pf` on into L2
 // (rows / M of them, the AVX-512 loop's scheme; run_tiles): the next block, while this one computes.
-// A single tile (M <= 6) gets no share of the next block; it prefetches `ahead` bytes ahead in its
-// own block instead (0: none), so every row count has one of the two. With more rows the in-block
-// prefetch cost more than it gained: in every tile it made the bf16 batch-16 step 1.14-1.17x
-// slower, in the first tile only the fp32 one 1.09x (in-process A/B).
+// A single tile (M <= 6) given `ahead` (> 0) prefetches that far ahead in its own block instead
+// of taking the next block's lines (kAvx2Ahead says when). With more rows the in-block prefetch
+// cost more than it gained: in every tile it made the bf16 batch-16 step 1.14-1.17x slower, in
+// the first tile only the fp32 one 1.09x (in-process A/B).
 inline void avx2_block(const Avx2TileFn* tiles, const float* x, int64_t M, int64_t K, const void* blk,
                        const float* bias, float* yb, int64_t N, const char* pf, int64_t lines, int64_t ahead) {
   const int64_t n_tiles = (M + kRows - 1) / kRows;
   for (int64_t m0 = 0, t = 0, mb = 0, given = 0; m0 < M; m0 += mb, ++t) {
     mb = M / n_tiles + (t < M % n_tiles);
-    const int64_t share = n_tiles > 1 ? (lines * (m0 + mb)) / M - given : 0;
+    const int64_t share = n_tiles > 1 || !ahead ? (lines * (m0 + mb)) / M - given : 0;
     tiles[mb](x + m0 * K, K, blk, K, bias, yb + m0 * N, N, pf, share, n_tiles == 1 ? ahead : 0);
     pf += share * 64;
     given += share;
@@ -256,7 +259,7 @@ inline void avx2_block(const Avx2TileFn* tiles, const float* x, int64_t M, int64
 }
 
 // run_tiles for the AVX2 layout: x and y in fp32, the weight's bytes per k step `step` (64 in
-// fp32, 32 in bf16).
+// fp32, 32 in bf16; only fp32 prefetches ahead in the block, kAvx2Ahead).
 void run_avx2_tiles(const Avx2TileFn* tiles, const float* x, int64_t M, int64_t K, const char* w, int64_t NB,
                     int64_t step, const float* bias, float* y) {
   const int64_t N = NB * kAvx2Cols, block = K * step;
@@ -265,7 +268,7 @@ void run_avx2_tiles(const Avx2TileFn* tiles, const float* x, int64_t M, int64_t 
       // the next block's lines (a bf16 block of odd K: its last half line is left), none past the weight
       const int64_t lines = nb + 1 < end ? block / 64 : 0;
       avx2_block(tiles, x, M, K, w + nb * block, bias ? bias + nb * kAvx2Cols : nullptr, y + nb * kAvx2Cols, N,
-                 w + (nb + 1) * block, lines, kAvx2Ahead);
+                 w + (nb + 1) * block, lines, step == 64 ? kAvx2Ahead : 0);
     }
   });
 }
