@@ -115,6 +115,27 @@ def test_a_weight_as_stored_gives_what_the_packed_one_gives(dtype, rows):
     torch.testing.assert_close(y.float(), reference(x, w, b), **TOLERANCE[dtype])
 
 
+@needs_kernel
+@pytest.mark.parametrize("rows", [2, 4, 13])
+def test_avx2_bf16_result_is_the_fp32_loops_rounded_to_nearest_even(rows):
+    """The AVX2 loop widens bf16 to fp32 and sums in fp32 as its fp32 loop does, so on the same
+    values its bf16 result must be the fp32 loop's rounded as aten rounds (to nearest even), bit for
+    bit, and a NaN must stay one. Truncating instead fails here."""
+    if not loop_runs(torch.bfloat16, 16) or not loop_runs(torch.float32, 16):
+        pytest.skip("this CPU does not run the 16-column loop")
+    torch.manual_seed(rows)
+    w = (torch.randn(64, 131) * 0.05).to(torch.bfloat16)
+    x = torch.randn(rows, 131).to(torch.bfloat16)
+    x[0, 7] = float("nan")  # row 0 is NaN in every column
+    b = torch.randn(64).to(torch.bfloat16)
+    for weight in (packed_linear.pack_rows(w, 16), w):  # packed, and as stored
+        y = torch.ops.cann_cpu.rows_linear(x, weight, b)
+        f = weight if weight.dim() == 2 else packed_linear.pack_rows(w.float(), 16)
+        want = torch.ops.cann_cpu.rows_linear(x.float(), f.float(), b.float()).to(torch.bfloat16)
+        assert y[0].isnan().all() and not y[1:].isnan().any()  # a NaN's bits are free: aten's vector cast keeps them
+        assert torch.equal(y[1:].view(torch.int16), want[1:].view(torch.int16))
+
+
 @needs_f32_kernel
 def test_kernel_refuses_a_weight_that_is_not_packed_or_of_another_dtype():
     w = torch.randn(128, 64)

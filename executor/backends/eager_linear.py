@@ -131,14 +131,14 @@ class LinearKernel:
             rows = x.numel() // x.shape[-1]
             if rows <= GEMV_MAX_ROWS and weight.stride(1) == 1 and gemv_runs(weight.dtype):
                 self.gemv_calls += 1
-                return torch.ops.cann_cpu.gemv(x, weight, bias)
+                return torch.ops.cann_cpu.gemv.default(x, weight, bias)
             if weight.dtype == torch.float32 and packed_linear.supported(torch.float32):
                 self.onednn_calls += 1
                 out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), weight, bias, "none", [], "")
                 return out.view(*x.shape[:-1], weight.shape[0])
             if weight.stride(1) == 1 and weight.shape[0] % PLAIN_COLS == 0 and rows_run_plain(weight.dtype):
                 self.rows_calls += 1
-                return torch.ops.cann_cpu.rows_linear(x, weight, bias)
+                return torch.ops.cann_cpu.rows_linear.default(x, weight, bias)
         return reference.linear(x, weight, bias)
 
 

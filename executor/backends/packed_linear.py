@@ -166,7 +166,7 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         packed = _packed.get(weight, lambda: pack_rows(weight), "rows")
         if bias is not None and bias.dtype != torch.float32:  # the kernel adds it in fp32: convert once
             bias = _packed.get(bias, lambda: bias.detach().float(), "fp32")
-        return torch.ops.cann_cpu.rows_linear(x, packed, bias)
+        return torch.ops.cann_cpu.rows_linear.default(x, packed, bias)  # .default: ~1 us less per call than the packet
     if not supported(weight.dtype):
         return torch.nn.functional.linear(x, weight, bias)
     packed = _packed.get(weight, lambda: torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows), rows)

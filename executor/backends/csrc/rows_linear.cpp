@@ -30,6 +30,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -239,36 +240,82 @@ constexpr Avx2TileFn kAvx2Bf16Tiles[kRows + 1] = {
     nullptr, avx2_tile<1, true>, avx2_tile<2, true>, avx2_tile<3, true>,
     avx2_tile<4, true>, avx2_tile<5, true>, avx2_tile<6, true>};
 
-// Every tile of rows of x (M, K) times one packed AVX2 block `blk` (K steps), into y's 16 columns
-// at `yb` (row stride N). Each tile also prefetches its share of `lines` lines from `pf` on into L2
+// x's bf16 values widened to fp32 (exact: a bf16 value is the high half of an fp32 one), 8 at a time.
+CANN_AVX2_TARGET inline void widen_from_bf16(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+  }
+  for (; i < n; ++i) dst[i] = c10::BFloat16(src[i], c10::BFloat16::from_bits());
+}
+
+// fp32 sums rounded to bf16 as aten rounds them (c10::BFloat16: to nearest even; a NaN stays a quiet
+// NaN, which the rounding add alone could carry into the sign), 16 at a time.
+CANN_AVX2_TARGET inline void round_to_bf16(const float* src, int64_t n, uint16_t* dst) {
+  int64_t i = 0;
+  const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1), nan = _mm256_set1_epi32(0x7FC0);
+  for (; i + 16 <= n; i += 16) {
+    __m256i h[2];
+    for (int j = 0; j < 2; ++j) {
+      const __m256 v = _mm256_loadu_ps(src + i + 8 * j);
+      const __m256i b = _mm256_castps_si256(v);
+      const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);
+      const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(bias, lsb)), 16);
+      h[j] = _mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    }
+    // packus packs within 128-bit lanes (h0 lo, h1 lo, h0 hi, h1 hi): put the quarters back in order
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h[0], h[1]), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), packed);
+  }
+  for (; i < n; ++i) dst[i] = c10::BFloat16(src[i]).x;
+}
+
+// Where the AVX2 tiles of one block put their sums: fp32 y itself (`f`, row stride `ldf`), or, for
+// a bf16 y (`h`, row stride `ldh`), a thread's fp32 scratch rows of 16 that avx2_block rounds into it
+// once the block is done (rounding there, not in a pass over y after the loop, saved two aten calls
+// per product: the bf16 step calls the kernel 113 times at the 0.6B shape).
+struct Avx2Out {
+  float* f;
+  int64_t ldf;
+  uint16_t* h = nullptr;
+  int64_t ldh = 0;
+};
+
+// Every tile of rows of x (M, K) times one packed AVX2 block `blk` (K steps), into `out`'s 16
+// columns. Each tile also prefetches its share of `lines` lines from `pf` on into L2
 // (rows / M of them, the AVX-512 loop's scheme; run_tiles): the next block, while this one computes.
 // A single tile (M <= 6) given `ahead` (> 0) prefetches that far ahead in its own block instead
 // of taking the next block's lines (kAvx2Ahead says when). With more rows the in-block prefetch
 // cost more than it gained: in every tile it made the bf16 batch-16 step 1.14-1.17x slower, in
 // the first tile only the fp32 one 1.09x (in-process A/B).
 inline void avx2_block(const Avx2TileFn* tiles, const float* x, int64_t M, int64_t K, const void* blk,
-                       const float* bias, float* yb, int64_t N, const char* pf, int64_t lines, int64_t ahead) {
+                       const float* bias, Avx2Out out, const char* pf, int64_t lines, int64_t ahead) {
   const int64_t n_tiles = (M + kRows - 1) / kRows;
   for (int64_t m0 = 0, t = 0, mb = 0, given = 0; m0 < M; m0 += mb, ++t) {
     mb = M / n_tiles + (t < M % n_tiles);
     const int64_t share = n_tiles > 1 || !ahead ? (lines * (m0 + mb)) / M - given : 0;
-    tiles[mb](x + m0 * K, K, blk, K, bias, yb + m0 * N, N, pf, share, n_tiles == 1 ? ahead : 0);
+    tiles[mb](x + m0 * K, K, blk, K, bias, out.f + m0 * out.ldf, out.ldf, pf, share, n_tiles == 1 ? ahead : 0);
     pf += share * 64;
     given += share;
   }
+  if (out.h)
+    for (int64_t m = 0; m < M; ++m) round_to_bf16(out.f + m * out.ldf, kAvx2Cols, out.h + m * out.ldh);
 }
 
 // run_tiles for the AVX2 layout: x and y in fp32, the weight's bytes per k step `step` (64 in
 // fp32, 32 in bf16; only fp32 prefetches ahead in the block, kAvx2Ahead).
 void run_avx2_tiles(const Avx2TileFn* tiles, const float* x, int64_t M, int64_t K, const char* w, int64_t NB,
-                    int64_t step, const float* bias, float* y) {
+                    int64_t step, const float* bias, float* y, uint16_t* yh) {
   const int64_t N = NB * kAvx2Cols, block = K * step;
   at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(yh ? M * kAvx2Cols : 0);
     for (int64_t nb = begin; nb < end; ++nb) {
       // the next block's lines (a bf16 block of odd K: its last half line is left), none past the weight
       const int64_t lines = nb + 1 < end ? block / 64 : 0;
-      avx2_block(tiles, x, M, K, w + nb * block, bias ? bias + nb * kAvx2Cols : nullptr, y + nb * kAvx2Cols, N,
-                 w + (nb + 1) * block, lines, step == 64 ? kAvx2Ahead : 0);
+      const Avx2Out out = yh ? Avx2Out{scratch.data(), kAvx2Cols, yh + nb * kAvx2Cols, N} : Avx2Out{y + nb * kAvx2Cols, N};
+      avx2_block(tiles, x, M, K, w + nb * block, bias ? bias + nb * kAvx2Cols : nullptr, out, w + (nb + 1) * block,
+                 lines, step == 64 ? kAvx2Ahead : 0);
     }
   });
 }
@@ -322,10 +369,11 @@ CANN_AVX2_TARGET inline void pack_bf16_block(const uint16_t* src, int64_t ldw, i
 // contiguous): without that, packing read 16 short streams from memory with the core waiting.
 template <typename W>
 void run_avx2_plain(const Avx2TileFn* tiles, const float* x, int64_t M, int64_t K, const W* w, int64_t ldw,
-                    int64_t NB, const float* bias, float* y) {
+                    int64_t NB, const float* bias, float* y, uint16_t* yh) {
   const int64_t N = NB * kAvx2Cols, block = kAvx2Cols * K * static_cast<int64_t>(sizeof(W));
   at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
     std::vector<W> buf(K * kAvx2Cols);
+    std::vector<float> scratch(yh ? M * kAvx2Cols : 0);
     for (int64_t nb = begin; nb < end; ++nb) {
       if constexpr (sizeof(W) == 2) {
         pack_bf16_block(w + nb * kAvx2Cols * ldw, ldw, K, buf.data());
@@ -334,7 +382,8 @@ void run_avx2_plain(const Avx2TileFn* tiles, const float* x, int64_t M, int64_t 
           for (int64_t k = 0; k < K; ++k) buf[k * kAvx2Cols + c] = w[(nb * kAvx2Cols + c) * ldw + k];
       }
       const int64_t lines = nb + 1 < end && ldw == K ? block / 64 : 0;
-      avx2_block(tiles, x, M, K, buf.data(), bias ? bias + nb * kAvx2Cols : nullptr, y + nb * kAvx2Cols, N,
+      const Avx2Out out = yh ? Avx2Out{scratch.data(), kAvx2Cols, yh + nb * kAvx2Cols, N} : Avx2Out{y + nb * kAvx2Cols, N};
+      avx2_block(tiles, x, M, K, buf.data(), bias ? bias + nb * kAvx2Cols : nullptr, out,
                  reinterpret_cast<const char*>(w + (nb + 1) * kAvx2Cols * ldw), lines, 0);  // buf: just written
     }
   });
@@ -394,21 +443,30 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
 #ifdef CANN_ROWS
   const float* bp = fbias.defined() ? fbias.data_ptr<float>() : nullptr;
   if (avx2) {
-    // x in fp32 once (a bf16 x is M x K values, in cache), the sums in fp32, rounded to bf16 at the end
-    const at::Tensor xf = x2.to(at::kFloat);
-    at::Tensor yf = bf16 ? at::empty({M, N}, x.options().dtype(at::kFloat)) : y;
+    // x in fp32 once (a bf16 x is M x K values, in cache), the sums in fp32; a bf16 y gets each
+    // block's sums rounded as the block finishes (Avx2Out)
+    std::vector<float> widened;
+    const float* xf = bf16 ? nullptr : x2.data_ptr<float>();
+    if (bf16) {
+      widened.resize(M * K);
+      const auto* xh = reinterpret_cast<const uint16_t*>(x2.data_ptr());
+      at::parallel_for(0, M, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(K, 1)), [&](int64_t b, int64_t e) {
+        widen_from_bf16(xh + b * K, (e - b) * K, widened.data() + b * K);
+      });
+      xf = widened.data();
+    }
+    float* yf = bf16 ? nullptr : y.data_ptr<float>();
+    auto* yh = bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr()) : nullptr;
     const Avx2TileFn* tiles = bf16 ? kAvx2Bf16Tiles : kAvx2F32Tiles;
     if (plain && bf16) {
-      run_avx2_plain<uint16_t>(tiles, xf.data_ptr<float>(), M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr()),
-                               packed.stride(0), NB, bp, yf.data_ptr<float>());
+      run_avx2_plain<uint16_t>(tiles, xf, M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr()), packed.stride(0),
+                               NB, bp, yf, yh);
     } else if (plain) {
-      run_avx2_plain<float>(tiles, xf.data_ptr<float>(), M, K, packed.data_ptr<float>(), packed.stride(0), NB, bp,
-                            yf.data_ptr<float>());
+      run_avx2_plain<float>(tiles, xf, M, K, packed.data_ptr<float>(), packed.stride(0), NB, bp, yf, yh);
     } else {
-      run_avx2_tiles(tiles, xf.data_ptr<float>(), M, K, static_cast<const char*>(packed.data_ptr()), NB,
-                     kAvx2Cols * packed.element_size(), bp, yf.data_ptr<float>());
+      run_avx2_tiles(tiles, xf, M, K, static_cast<const char*>(packed.data_ptr()), NB,
+                     kAvx2Cols * packed.element_size(), bp, yf, yh);
     }
-    if (bf16) y.view({M, N}).copy_(yf);
   } else if (bf16) {
     run_tiles<uint16_t>(kBf16Tiles, reinterpret_cast<const uint16_t*>(x2.data_ptr()), M, K,
                         reinterpret_cast<const uint16_t*>(packed.data_ptr()), NB, K / 2, bp,
