@@ -273,8 +273,8 @@ CANN_AVX2_TARGET inline void round_to_bf16(const float* src, int64_t n, uint16_t
 
 // Where the AVX2 tiles of one block put their sums: fp32 y itself (`f`, row stride `ldf`), or, for
 // a bf16 y (`h`, row stride `ldh`), a thread's fp32 scratch rows of 16 that avx2_block rounds into it
-// once the block is done (rounding there, not in a pass over y after the loop, saved two aten calls
-// per product: the bf16 step calls the kernel 113 times at the 0.6B shape).
+// once the block is done. Converting x and rounding y in the kernel, not with aten calls around it,
+// took a small bf16 call from 11.5 to 7.8 us, what fp32 costs (the 0.6B step makes 113 calls).
 struct Avx2Out {
   float* f;
   int64_t ldf;
