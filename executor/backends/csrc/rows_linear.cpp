@@ -250,25 +250,23 @@ CANN_AVX2_TARGET inline void widen_from_bf16(const uint16_t* src, int64_t n, flo
   for (; i < n; ++i) dst[i] = c10::BFloat16(src[i], c10::BFloat16::from_bits());
 }
 
-// fp32 sums rounded to bf16 as aten rounds them (c10::BFloat16: to nearest even; a NaN stays a quiet
-// NaN, which the rounding add alone could carry into the sign), 16 at a time.
-CANN_AVX2_TARGET inline void round_to_bf16(const float* src, int64_t n, uint16_t* dst) {
-  int64_t i = 0;
+// One row of a block's 16 fp32 sums rounded to bf16 as aten rounds them (c10::BFloat16: to
+// nearest even; a NaN stays a quiet NaN, which the rounding add alone could carry into the sign).
+// Written with intrinsics, not ATen's vector conversion: this file's vector code is compiled per
+// function for AVX2, whatever width the rest of the file gets.
+CANN_AVX2_TARGET inline void round16_to_bf16(const float* src, uint16_t* dst) {
   const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1), nan = _mm256_set1_epi32(0x7FC0);
-  for (; i + 16 <= n; i += 16) {
-    __m256i h[2];
-    for (int j = 0; j < 2; ++j) {
-      const __m256 v = _mm256_loadu_ps(src + i + 8 * j);
-      const __m256i b = _mm256_castps_si256(v);
-      const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);
-      const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(bias, lsb)), 16);
-      h[j] = _mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-    }
-    // packus packs within 128-bit lanes (h0 lo, h1 lo, h0 hi, h1 hi): put the quarters back in order
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h[0], h[1]), 0xD8);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), packed);
+  __m256i h[2];
+  for (int j = 0; j < 2; ++j) {
+    const __m256 v = _mm256_loadu_ps(src + 8 * j);
+    const __m256i b = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(bias, lsb)), 16);
+    h[j] = _mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
   }
-  for (; i < n; ++i) dst[i] = c10::BFloat16(src[i]).x;
+  // packus packs within 128-bit lanes (h0 lo, h1 lo, h0 hi, h1 hi): put the quarters back in order
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h[0], h[1]), 0xD8);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), packed);
 }
 
 // Where the AVX2 tiles of one block put their sums: fp32 y itself (`f`, row stride `ldf`), or, for
@@ -300,7 +298,7 @@ inline void avx2_block(const Avx2TileFn* tiles, const float* x, int64_t M, int64
     given += share;
   }
   if (out.h)
-    for (int64_t m = 0; m < M; ++m) round_to_bf16(out.f + m * out.ldf, kAvx2Cols, out.h + m * out.ldh);
+    for (int64_t m = 0; m < M; ++m) round16_to_bf16(out.f + m * out.ldf, out.h + m * out.ldh);
 }
 
 // run_tiles for the AVX2 layout: x and y in fp32, the weight's bytes per k step `step` (64 in
