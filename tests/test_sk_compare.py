@@ -200,6 +200,46 @@ def test_signal_mid_run_leaves_config_identical_and_no_child(tmp_path, user_conf
     _wait_for(lambda: not _children_with(str(out)), "the run's processes to end", 15)
 
 
+_drops_an_exception = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+class _LosesItsInterrupt:
+    """Raises the signal inside a finalizer: the interpreter prints "Exception ignored" and drops
+    the KeyboardInterrupt, as a real Ctrl-C landing in one would be dropped."""
+
+    def __del__(self):
+        signal.raise_signal(signal.SIGINT)
+
+
+@_drops_an_exception
+def test_an_interrupt_lost_in_a_finalizer_still_stops_the_run(tmp_path):
+    side = measure.Side("baseline", command="for i in $(seq 100); do echo step $i; sleep 0.05; done")
+    with pytest.raises(KeyboardInterrupt), measure.signals_as_interrupt():
+        _LosesItsInterrupt()  # the exception is gone: only the flag is left
+        measure.run_once("qwen", side, 1, tmp_path, None)
+    log = (tmp_path / "baseline.1.log").read_text()
+    assert "step 100" not in log and len(log.splitlines()) <= 1, log  # stopped at its first line
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers given back
+
+
+@_drops_an_exception
+def test_an_interrupt_lost_between_runs_stops_before_the_next(tmp_path):
+    sides = [measure.Side(name, command="echo 'qwen inference time cost of decode is 2.00 ms'") for name in SIDES]
+    progress = measure.Progress("test", stream=sys.stdout)
+    with pytest.raises(KeyboardInterrupt), measure.signals_as_interrupt():
+        _LosesItsInterrupt()
+        measure.measure("qwen", sides, 2, 0, tmp_path, progress)
+    assert not list(tmp_path.glob("*.log"))
+
+
+@_drops_an_exception
+def test_an_interrupt_lost_after_the_last_run_is_raised_on_leaving():
+    with pytest.raises(KeyboardInterrupt), measure.signals_as_interrupt():
+        _LosesItsInterrupt()
+    with measure.signals_as_interrupt():  # and a later block starts clean
+        pass
+
+
 def test_crashed_side_reported_as_failed_config_identical(tmp_path, user_config, capsys):
     before = user_config.read_bytes()
     out = tmp_path / "crash"

@@ -234,11 +234,13 @@ def run_once(
         )
         try:
             for line in proc.stdout:
+                check_interrupt()
                 fh.write(line)
                 fh.flush()
                 if echo:
                     sys.stdout.write(f"  [{side.name} {tag}] {line}")
             rc = proc.wait()
+            check_interrupt()
         except BaseException:  # Ctrl-C / SIGTERM: never leave a run behind us
             _stop(proc)
             raise
@@ -294,6 +296,7 @@ def measure(
     plan = [(s, 0, f"warm-up {w + 1}/{warmup}") for w in range(warmup) for s in sides]
     plan += [(s, k, f"run {k}/{runs}") for k in range(1, runs + 1) for s in sides]
     for side, index, what in plan:
+        check_interrupt()
         progress(f"{side.name} {what} ...")
         r = run_once(model, side, index, work_dir, batch_hint, echo)
         progress(f"{side.name} {what}: {_describe(r)}")
@@ -552,22 +555,46 @@ def check_accuracy(
 
 
 # ----------------------------------------------------------------------------- signals
+_pending_signal: int | None = None
+
+
 @contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM (a killed job) unwinds like Ctrl-C, so `finally` blocks stop children and save state."""
+def signals_as_interrupt() -> Iterator[None]:
+    """SIGINT and SIGTERM (a killed job) unwind as KeyboardInterrupt, so `finally` blocks stop
+    children and save state, and the interrupt sticks until the block ends.
+
+    Sticky because Python can lose one: a signal handled while a finalizer or a weakref callback
+    runs raises inside it, and the interpreter prints "Exception ignored" and goes on. A full
+    suite run once saw Ctrl-C dropped that way and the job start its next run. `check_interrupt`
+    (per output line and before each run) raises it again, and leaving the block raises it if
+    nothing did.
+    """
+    global _pending_signal
 
     def handler(signum, frame):
+        global _pending_signal
+        _pending_signal = signum
         raise KeyboardInterrupt(f"signal {signum}")
 
     try:
-        previous = signal.signal(signal.SIGTERM, handler)
+        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     except ValueError:  # not the main thread: leave signals alone
         yield
         return
+    _pending_signal = None
     try:
         yield
+        check_interrupt()
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        _pending_signal = None
+
+
+def check_interrupt() -> None:
+    """Raise KeyboardInterrupt again if a signal arrived inside `signals_as_interrupt` and was lost."""
+    if _pending_signal is not None:
+        raise KeyboardInterrupt(f"signal {_pending_signal}")
 
 
 # ----------------------------------------------------------------------------- plots

@@ -417,7 +417,7 @@ def _search(args, search: Search, signature: dict, space: dict) -> int:
     changes, _ = measure.side_changes(cfg, None)
     baseline = measure.write_side_config(config, out / "candidates" / "baseline.yaml", changes, args.overrides)
     st.runner.check_before_run(baseline, platform)
-    with measure.sigterm_as_interrupt():
+    with measure.signals_as_interrupt():
         try:
             progress(f"eager reference: {tokens} greedy tokens on the config's prompts ...")
             eager = [
@@ -446,6 +446,7 @@ def _search(args, search: Search, signature: dict, space: dict) -> int:
                 f"{', '.join(s['name'] for s in status['skipped']) or 'none'}; status in {out / STATUS}"
             )
             for i, c in enumerate(cands, 1):
+                measure.check_interrupt()
                 rec = status["candidates"][c["name"]]
                 if rec["status"] in FINAL:
                     continue

@@ -115,7 +115,7 @@ def _compare(args: argparse.Namespace, st: ToolStart, out: Path, now: datetime.d
         progress(
             f"{args.model}: {args.warmup} warm-up + {args.runs} measured run(s) per side, alternating; output in {out}"
         )
-        with measure.sigterm_as_interrupt():
+        with measure.signals_as_interrupt():
             results = measure.measure(
                 args.model, sides, args.runs, args.warmup, out, progress, cfg.scheduler_config.batch_size, args.verbose
             )
