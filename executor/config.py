@@ -98,7 +98,9 @@ class ModelConfig:
     cache_dir: str = ""  # "" = ~/.cache/cann-recipes-infer/compile
     enable_static_kernel: bool = False  # npugraph_ex's static_kernel_compile option (independent of SK)
     enable_profiler: bool = False
-    custom_ops: tuple[str, ...] = ()  # executor/custom_ops/ ops layered on the op table, e.g. [decode_attention]
+    # executor/custom_ops/ ops layered on the op table, e.g. [decode_attention]; [] = none; left out
+    # (None): chosen per run by executor.custom_ops.resolve (the pre-flight)
+    custom_ops: tuple[str, ...] | None = None
     output_path: str = ""  # results directory; "" = models/<recipe>/res/<date>/<case>/ (--out wins)
     seed: int = 0
     superkernel: SuperKernelConfig = SuperKernelConfig()
@@ -163,6 +165,11 @@ class RunConfig:
     @property
     def superkernel_on(self) -> bool:
         return self.model_config.superkernel_enabled
+
+    @property
+    def max_len(self) -> int:
+        """Static KV-cache slots per row: the longest prompt kept plus every generated token."""
+        return self.data_config.input_truncated_len + self.scheduler_config.max_new_tokens
 
 
 # Top-level keys of upstream YAMLs, read by its launcher; each repeats a section's key.
@@ -423,7 +430,7 @@ def validate(cfg: RunConfig) -> None:
     if dc.dataset == "default" and not dc.prompts:
         raise ConfigError("data_config.prompts: dataset 'default' needs at least one prompt")
     parse_options(sk.options, key="model_config.superkernel.options")
-    custom_ops.check(mc.custom_ops)
+    custom_ops.check(mc.custom_ops or ())
     for i, scope in enumerate(sk.custom):
         parse_options(scope.options, key=f"model_config.superkernel.custom[{i}].options")
 

@@ -15,6 +15,7 @@ share its RAM and are checked together.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ class Preflight:
     arch: ModelArch
     plan: ScopePlan  # NO_PLAN when SuperKernel is off
     memory: memory.MemoryEstimate
+    cfg: RunConfig  # the config as the run uses it: model_config.custom_ops resolved (never None)
+    custom_ops_note: str  # which custom ops the run layers on its table, and why
 
 
 def meta_model(runner: RunnerLike, arch: ModelArch, layout: Layout) -> torch.nn.Module:
@@ -116,11 +119,13 @@ def check(
     check_arch(layout, arch)
     meta = meta_model(runner, arch, layout)
     plan = scope_plan(meta.regions(), mc)
-    custom_ops.check_runnable(mc.custom_ops, platform.kind, mc.exe_mode)  # no kernel here, no compiler
+    chosen, note = custom_ops.resolve(mc.custom_ops, platform.kind, cfg.max_len, layout.world)
+    cfg = dataclasses.replace(cfg, model_config=dataclasses.replace(mc, custom_ops=chosen))
+    custom_ops.check_runnable(chosen, platform.kind, mc.exe_mode)  # no kernel here, no compiler
     params = memory.count_parameters(meta)
     if layout.world > 1:  # random weights are drawn at full size, then cut: the largest is the whole model's
         params = memory.ParamCount(params.total, memory.count_parameters(meta_model(runner, arch, ONE_DEVICE)).largest)
     here = ranks_here if ranks_here is not None else ranks_on_this_machine(layout)
     estimate = memory.check_run(arch, cfg, platform.kind, params, dtype, layout, here)
     check_cache_dir(mc)
-    return Preflight(model_path, arch, plan, estimate)
+    return Preflight(model_path, arch, plan, estimate, cfg, note)

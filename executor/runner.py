@@ -102,6 +102,7 @@ class ModelRunner:
         # config.json, recipe match, scope plan, memory estimate, compile cache: before anything is allocated
         pre = preflight.check(self, cfg, platform, self.dtype)
         self.model_path, self.arch, self.plan, self.memory = pre.model_path, pre.arch, pre.plan, pre.memory
+        self.cfg, self.custom_ops_note = pre.cfg, pre.custom_ops_note  # custom_ops resolved for this run
         self.parallel = runtime.parallel_for(cfg.parallel_config, platform)  # process groups (world size 1: none)
         torch.manual_seed(mc.seed)
         self.model = self.build_model(self.arch, self.parallel).to(self.dtype)
@@ -128,7 +129,7 @@ class ModelRunner:
     @property
     def max_len(self) -> int:
         """Static KV-cache slots: the longest prompt kept plus every generated token."""
-        return self.cfg.data_config.input_truncated_len + self.cfg.scheduler_config.max_new_tokens
+        return self.cfg.max_len
 
     def decode_spec(self) -> DecodeSpec:
         """What the decode step is compiled for: this run's static shapes, dtype, plan and device."""
@@ -372,6 +373,7 @@ class ModelRunner:
             f"platform {self.platform.describe()}, "
             f"exe_mode {mc.exe_mode}, superkernel {'plan ' + self.plan.name if mc.superkernel_enabled else 'off'}"
         )
+        self.log(f"[run] {self.custom_ops_note}")
         if self.platform.kind == "cpu" and self.dtype_name == "bfloat16" and not cpu_runs_bf16():
             self.log(
                 "[run] bfloat16 on a CPU without AVX512-BF16 or AMX: the large projections run AVX2 kernels "
@@ -455,6 +457,7 @@ class ModelRunner:
             "backend": report.backend,
             "dtype": self.dtype_name,  # resolved (config may say auto)
             "ops": ops.implementations(self.context.op_table),
+            "custom_ops": {"chosen": list(mc.custom_ops), "why": self.custom_ops_note},
             "superkernel": {
                 "requested": mc.superkernel_enabled,
                 "ran": ran,

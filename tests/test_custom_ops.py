@@ -13,6 +13,7 @@ tests/test_custom_ops_ge.py. The C++ kernel is built once per machine (cache), l
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -30,7 +31,7 @@ from executor.config import load_config
 from executor.errors import RecipeError
 from executor.ops import reference
 from executor.platform import Platform, detect
-from tests.fresh_python import run_as_capability
+from tests.fresh_python import run_as_capability, run_code
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -194,6 +195,57 @@ def test_unknown_or_repeated_custom_op_is_a_config_error_listing_the_available()
     assert load_config(None, ["model_config.custom_ops=[decode_attention]"]).model_config.custom_ops == (
         "decode_attention",
     )
+
+
+def test_left_out_custom_ops_are_chosen_by_the_cache_length_and_a_list_is_the_users():
+    at = custom_ops.load("decode_attention").auto_min_slots
+    assert at > 0
+    chosen, why = custom_ops.resolve(None, "cpu", at, 1)
+    assert chosen == ("decode_attention",) and f"at {at} KV-cache slots" in why and "[] runs without" in why
+    chosen, why = custom_ops.resolve(None, "cpu", at - 1, 1)
+    assert chosen == () and f"from {at} KV-cache slots, this run has {at - 1}" in why
+    assert custom_ops.resolve((), "cpu", 16 * at, 1)[0] == ()  # [] keeps the reference at any length
+    assert custom_ops.resolve(("decode_attention",), "cpu", 8, 1)[0] == ("decode_attention",)
+    for device, world in (("npu", 1), ("cuda", 1), ("cpu", 2)):  # measured on one CPU rank only
+        chosen, why = custom_ops.resolve(None, device, 16 * at, world)
+        assert chosen == () and "left out" in why, (device, world)
+
+
+def test_without_a_compiler_a_left_out_op_is_not_chosen_and_the_reason_is_said(tmp_path):
+    """Nobody asked for the op, so a host that cannot build it runs the reference (one line says
+    why) instead of stopping, as it must when the op is listed."""
+    code = "from executor import custom_ops\nprint(custom_ops.resolve(None, 'cpu', 1 << 14, 1))\n"
+    out = run_code(code, CXX=str(tmp_path / "no" / "g++"), CANN_RECIPES_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    assert (
+        out.startswith("((), ")
+        and str(tmp_path / "no" / "g++") in out
+        and "decode_attention not chosen: custom op" in out
+    ), out
+    assert "remove it from model_config.custom_ops" not in out
+    assert not list((tmp_path / "ext").glob("*/*.so"))
+
+
+def test_a_long_cache_gets_the_op_unless_the_config_lists_none(make_qwen_runner, qwen3_ckpt):
+    """End to end: left out, a 512-slot run layers the op and says so in its log and metrics; the
+    same run with `custom_ops: []` keeps the reference; both decode the same greedy tokens."""
+    at = custom_ops.load("decode_attention").auto_min_slots
+    new = 4
+    long = [f"data_config.input_truncated_len={at - new}"]
+    chosen = make_qwen_runner(qwen3_ckpt, *long, max_new_tokens=new)
+    listed = make_qwen_runner(qwen3_ckpt, *long, "model_config.custom_ops=[]", max_new_tokens=new)
+    assert chosen.context.op_table == "reference+decode_attention" and listed.context.op_table == "reference"
+    assert chosen.cfg.model_config.custom_ops == ("decode_attention",) and listed.cfg.model_config.custom_ops == ()
+    chosen.stream = io.StringIO()
+    metrics = chosen.run()
+    assert metrics["ops"]["attention"] == "executor.custom_ops.decode_attention.attention"
+    assert metrics["custom_ops"]["chosen"] == ["decode_attention"] and "left out" in metrics["custom_ops"]["why"]
+    assert f"[run] custom ops: decode_attention (model_config.custom_ops left out: decode_attention at {at}" in (
+        chosen.stream.getvalue()
+    )
+    prompts = chosen.encode_prompts()
+    assert chosen.generate(prompts, new).token_ids == listed.generate(prompts, new).token_ids
+    short = make_qwen_runner(qwen3_ckpt, max_new_tokens=new)  # 24 + 4 slots
+    assert short.context.op_table == "reference"
 
 
 def test_no_cuda_kernel_is_refused_naming_the_op():

@@ -127,7 +127,7 @@ def evaluate(
     progress("reference: one device, eager, float32, reference ops ...")
     ref_runner = st.runner(accuracy.reference_config(cfg), st.platform, None, io.StringIO())
     accuracy.use_reference_ops(ref_runner)
-    capacity = cfg.data_config.input_truncated_len + cfg.scheduler_config.max_new_tokens
+    capacity = cfg.max_len
     wins = accuracy.windows(ref_runner.tokenizer.encode(text)[: args.max_eval_tokens], capacity)
     if not wins:
         raise ConfigError("--text: the evaluation text has fewer than 2 tokens")

@@ -38,6 +38,9 @@ class CustomOp:
     sources: tuple[str, ...] = ()  # C++ files of its CPU kernel (executor/custom_ops/csrc/); () = no CPU kernel
     npu: str = ""  # module of executor/backends/ with register(torch_npu, torchair): NPU kernel + GE converter
     summary: str = ""  # one line for --help texts and reports
+    # custom_ops left out: a CPU run of one rank whose static KV cache has at least this many
+    # slots gets the op (where its kernel measured faster than the base table's); 0 = never
+    auto_min_slots: int = 0
 
     @property
     def library(self) -> str:
@@ -112,6 +115,43 @@ def check_runnable(names: Sequence[str], device: str, exe_mode: str) -> None:
             check_buildable(op.qualname, op.library, list(op.sources))
 
 
+def resolve(names: Sequence[str] | None, device: str, kv_slots: int, world: int) -> tuple[tuple[str, ...], str]:
+    """The custom ops a run layers on its op table, and one line saying why.
+
+    `names` is model_config.custom_ops. A list, even an empty one, is the user's and is taken as
+    given (the pre-flight then refuses what cannot run). Left out (None), the ops that pay at this
+    run's static cache length are chosen (`CustomOp.auto_min_slots`): on CPU and one rank only,
+    where they were measured, and only where the kernel is built or can be built here, since
+    nobody asked for it and a missing compiler must not stop the run. Each op's entry says why
+    its threshold is where it is.
+    """
+    if names is not None:
+        return tuple(names), f"custom ops: {', '.join(names) or 'none'} (model_config.custom_ops)"
+    left_out = "model_config.custom_ops left out"
+    if device != "cpu" or world > 1:
+        where = f"{world} ranks" if world > 1 else device
+        return (), f"custom ops: none ({left_out}: ops are chosen on CPU with one rank, not on {where})"
+    chosen, why = [], []
+    for name in available():
+        op = load(name)
+        if not op.auto_min_slots:
+            continue
+        if kv_slots < op.auto_min_slots:
+            why.append(f"{name} from {op.auto_min_slots} KV-cache slots, this run has {kv_slots}")
+            continue
+        from executor.custom_ops._build import check_buildable
+
+        try:
+            check_buildable(op.qualname, op.library, list(op.sources), remedy="")
+        except RecipeError as exc:
+            why.append(f"{name} not chosen: {exc}")
+            continue
+        chosen.append(name)
+        why.append(f"{name} at {kv_slots} KV-cache slots (>= {op.auto_min_slots})")
+    detail = "; ".join(why) + ("; [] runs without" if chosen else "") or "none is chosen"
+    return tuple(chosen), f"custom ops: {', '.join(chosen) or 'none'} ({left_out}: {detail})"
+
+
 def cpu_kernel(op: CustomOp) -> None:
     """Install `op` for a CPU run: build (once per machine) and load its C++ kernel."""
     why = unsupported(op, "cpu", "")
@@ -131,8 +171,9 @@ def no_kernel(device: str) -> Callable[[CustomOp], None]:
     return refuse
 
 
-def layer(base: str, names: Sequence[str], install: Callable[[CustomOp], None]) -> str:
-    """The op table a run uses: table `base` (the backend's) with the custom ops `names` on top.
+def layer(base: str, names: Sequence[str] | None, install: Callable[[CustomOp], None]) -> str:
+    """The op table a run uses: table `base` (the backend's) with the custom ops `names` on top
+    (None, a config no pre-flight has resolved, as a backend built by hand has: none).
 
     `install(op)` makes each op runnable on the run's device first (CPU: build/load its kernel;
     NPU: the adapter registers its kernel and GE converter). Registers the layered table as

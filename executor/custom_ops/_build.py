@@ -110,12 +110,12 @@ def _built(library: str, paths: list[Path]) -> Path:
     return extensions_dir() / f"{library}-{build_key(library, paths)}" / f"{library}.so"
 
 
-def check_buildable(op: str, library: str, sources: list[str]) -> None:
+def check_buildable(op: str, library: str, sources: list[str], remedy: str = CUSTOM_OPS_REMEDY) -> None:
     """Pre-flight: the kernel is loaded already, built already, or can be built here (compiler, ninja)."""
     if library in _loaded:
         return
     if not _built(library, _sources(op, sources)).is_file():
-        _check_toolchain(op)
+        _check_toolchain(op, remedy)
 
 
 def load_kernel(op: str, library: str, sources: list[str], remedy: str = CUSTOM_OPS_REMEDY) -> Path:

@@ -58,4 +58,10 @@ OP = CustomOp(
     sources=("decode_attention.cpp",),
     npu="executor.backends.npu_decode_attention",
     summary="decode attention over the valid KV-cache slots only (cost follows the position, not max_len)",
+    # Chosen by default from this many cache slots on CPU. In the 0.6B-shape bf16 batch-4 ge_graph
+    # step, op / reference time: 0.75x at 1017 slots, ~1.0x at 505, 1.05x at 249 (AVX-512 host);
+    # 0.53x at 1024, 0.65x at 512, 0.99x at 256 (AVX2 host). Below this the extern call splits
+    # the layer's fused kernel and costs more than the skipped slots save (BENCHMARKS.md,
+    # "sixteenth", "seventeenth" and "twenty-second pass").
+    auto_min_slots=512,
 )
