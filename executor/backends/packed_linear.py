@@ -135,11 +135,15 @@ def kernel_runs(dtype: torch.dtype) -> bool:
 def kernel_fits(weight: torch.Tensor, rows: int) -> bool:
     """The kernel runs this product: whole column blocks (and k pairs in the AVX-512 bf16 layout), few
     rows, a CPU with it."""
-    n, k = weight.shape
-    cols = kernel_cols(weight.dtype)
-    if not cols or n % cols or rows > max_kernel_rows(weight.dtype):
+    return _fits(*weight.shape, weight.dtype, rows)
+
+
+@functools.cache  # asked on every call: ~1 us uncached, a handful of shapes per model
+def _fits(n: int, k: int, dtype: torch.dtype, rows: int) -> bool:
+    cols = kernel_cols(dtype)
+    if not cols or n % cols or rows > max_kernel_rows(dtype):
         return False
-    return (cols != 64 or weight.dtype != torch.bfloat16 or k % 2 == 0) and kernel_runs(weight.dtype)
+    return (cols != 64 or dtype != torch.bfloat16 or k % 2 == 0) and kernel_runs(dtype)
 
 
 def pack_rows(weight: torch.Tensor, cols: int | None = None) -> torch.Tensor:
