@@ -49,8 +49,8 @@ class Gate:
 
 
 def reference_config(cfg: RunConfig) -> RunConfig:
-    """The configured run made the reference: eager, float32, no SuperKernel, no compile cache,
-    one device (every parallel layout computes the same model, so one reference serves them all)."""
+    """The configured run made the reference: eager, float32, no SuperKernel, no custom ops, no
+    compile cache, one device (every parallel layout computes the same model, so one reference serves them all)."""
     mc = dataclasses.replace(
         cfg.model_config,
         exe_mode="eager",
@@ -60,6 +60,7 @@ def reference_config(cfg: RunConfig) -> RunConfig:
         enable_cache_compile=False,
         enable_static_kernel=False,
         enable_profiler=False,
+        custom_ops=(),  # its table is the reference (use_reference_ops): nothing to choose or build
     )
     return dataclasses.replace(cfg, model_config=mc, parallel_config=ParallelConfig())
 

@@ -45,6 +45,17 @@ def run_tool(ckpt_path, text, out, *overrides, extra=()) -> tuple[int, dict | No
     return rc, json.loads(results.read_text()) if results.is_file() else None
 
 
+def test_the_reference_config_lists_no_custom_op_even_at_a_long_cache():
+    """Left out, custom_ops would choose decode_attention at 512 slots and build its kernel for a
+    runner whose table is then replaced by the reference; the reference config lists none."""
+    from executor.config import load_config
+
+    cfg = load_config(None, ["data_config.input_truncated_len=2048", "model_config.exe_mode=ge_graph"])
+    assert cfg.model_config.custom_ops is None
+    ref = accuracy.reference_config(cfg)
+    assert ref.model_config.custom_ops == () and ref.model_config.exe_mode == "eager"
+
+
 def test_reference_perplexity_equals_transformers(make_qwen_runner, qwen3_ckpt, text):
     """Both of our perplexities (decode path, prefill) equal transformers' on the same windows."""
     runner = make_qwen_runner(qwen3_ckpt, *EAGER, max_new_tokens=8)
