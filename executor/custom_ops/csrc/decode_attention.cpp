@@ -100,6 +100,38 @@ inline void dots(const float* q, const float* rows, int64_t stride, int64_t nb, 
   for (; t < nb; ++t) out[t] = dot(q, rows + t * stride, n);
 }
 
+// `dots` on bf16 rows read in place, without ATen's conversion (shuffles on AVX2): a 32-bit lane
+// holds two bf16 values, the even one becomes fp32 by a shift left of 16 and the odd one by
+// clearing the low half (as rows_linear's AVX2 loop does). `qe` and `qo` are q's even and odd
+// values. n a multiple of 2 * kL. On the AVX2 host a 0.6B-shaped bf16 call took 0.77-0.89x the time
+// of widening the block first (with ATen's conversion, or with it inside the dots: 1.03-1.13x
+// slower still); BENCHMARKS.md, "twenty-second pass".
+inline void dots_bf16(const float* qe, const float* qo, const at::BFloat16* rows, int64_t stride, int64_t nb,
+                      int64_t n, float* out) {
+  using IVec = at::vec::Vectorized<int32_t>;
+  const IVec shift(16), high(static_cast<int32_t>(0xFFFF0000u));
+  auto row_dots = [&](int64_t t, auto count) {
+    constexpr int kN = decltype(count)::value;
+    Vec acc[kN];
+#pragma GCC unroll 8
+    for (int i = 0; i < kN; ++i) acc[i] = Vec(0.0f);
+    for (int64_t d = 0; d < n; d += 2 * kL) {
+      const Vec e = Vec::loadu(qe + d / 2), o = Vec::loadu(qo + d / 2);
+#pragma GCC unroll 8
+      for (int i = 0; i < kN; ++i) {
+        const IVec x = IVec::loadu(rows + (t + i) * stride + d);
+        acc[i] = at::vec::fmadd(o, at::vec::cast<float>(x & high), at::vec::fmadd(e, at::vec::cast<float>(x << shift), acc[i]));
+      }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < kN; ++i)
+      out[t + i] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc[i]);
+  };
+  int64_t t = 0;
+  for (; t + kDots <= nb; t += kDots) row_dots(t, std::integral_constant<int, kDots>{});
+  for (; t < nb; ++t) row_dots(t, std::integral_constant<int, 1>{});
+}
+
 // softmax over row[0:n] in place, returns the sum of the exps (masked entries are -inf: exp 0)
 float exp_row(float* row, int64_t n) {
   float mx = -std::numeric_limits<float>::infinity();
@@ -178,7 +210,9 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
 
   // one work item = (b, kv head h, query row s); grain 1: items are few and each is long
   at::parallel_for(0, B * Hkv * S, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * Dv, 0.0f), acc(G * Dv), rows(kBlock * Dv, 0.0f), inv(G), scores;
+    std::vector<float> qf(G * Dv, 0.0f), acc(G * Dv), rows(kBlock * Dv, 0.0f), inv(G), scores, qsplit(G * Dv);
+    constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
+    const bool split = kBf16 && D % (2 * kL) == 0;  // K read in place by dots_bf16
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item % S, h = (item / S) % Hkv, b = item / (S * Hkv);
       const bool* m = mp + b * ms0 + s * ms2;
@@ -193,18 +227,27 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         float* qg = qf.data() + g * Dv;
         widen(qp + ((b * Hq + h * G + g) * S + s) * D, D, qg);
         for (int64_t d = 0; d < D; ++d) qg[d] *= fscale;
+        if (split)
+          for (int64_t j = 0; j < D / 2; ++j) qsplit[g * Dv + j] = qg[2 * j], qsplit[g * Dv + D / 2 + j] = qg[2 * j + 1];
       }
       scores.resize(G * n);
       const scalar_t* kr = kp + b * ks0 + h * ks1;
       for (int64_t t0 = 0; t0 < n; t0 += kBlock) {  // scores of a block of slots, all G rows
         const int64_t nb = std::min(kBlock, n - t0);
-        const auto [kb, kstride] = fp32_rows(kr + t0 * ks2, ks2, m + t0 * ms3, ms3, nb, D, Dv, rows.data());
-        for (int64_t g = 0; g < G; ++g) {
-          float* sg = scores.data() + g * n + t0;
-          dots(qf.data() + g * Dv, kb, kstride, nb, Dv, sg);  // a masked slot's row is zeros: 0, then -inf
-          for (int64_t t = 0; t < nb; ++t)
-            if (m[(t0 + t) * ms3]) sg[t] = -std::numeric_limits<float>::infinity();
+        if constexpr (kBf16) {
+          if (split) {  // a masked slot's row may hold anything here: its score is set to -inf below
+            for (int64_t g = 0; g < G; ++g)
+              dots_bf16(qsplit.data() + g * Dv, qsplit.data() + g * Dv + D / 2, kr + t0 * ks2, ks2, nb, D,
+                        scores.data() + g * n + t0);
+          }
         }
+        if (!split) {
+          const auto [kb, kstride] = fp32_rows(kr + t0 * ks2, ks2, m + t0 * ms3, ms3, nb, D, Dv, rows.data());
+          for (int64_t g = 0; g < G; ++g) dots(qf.data() + g * Dv, kb, kstride, nb, Dv, scores.data() + g * n + t0);
+        }
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t t = 0; t < nb; ++t)
+            if (m[(t0 + t) * ms3]) scores[g * n + t0 + t] = -std::numeric_limits<float>::infinity();
       }
       for (int64_t g = 0; g < G; ++g) inv[g] = 1.0f / exp_row(scores.data() + g * n, n);
       std::fill(acc.begin(), acc.end(), 0.0f);
