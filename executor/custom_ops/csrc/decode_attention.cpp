@@ -132,6 +132,30 @@ inline void dots_bf16(const float* qe, const float* qo, const at::BFloat16* rows
   for (; t < nb; ++t) row_dots(t, std::integral_constant<int, 1>{});
 }
 
+// `accumulate` on bf16 rows read in place, widened as in `dots_bf16`: ae / ao (NV vectors each) +=
+// p[t] times the even / odd values of rows[t], over the unmasked t < nb (a masked slot's row may
+// hold anything, NaN included, and 0 x NaN is NaN: those slots are skipped, not weighted by 0).
+// On top of dots_bf16 a 0.6B-shaped bf16 call took 0.76-0.84x the time of the widened block.
+template <int NV>
+inline void accumulate_bf16(const float* p, const at::BFloat16* rows, int64_t stride, const bool* m, int64_t ms,
+                            int64_t nb, float* ae, float* ao) {
+  using IVec = at::vec::Vectorized<int32_t>;
+  const IVec shift(16), high(static_cast<int32_t>(0xFFFF0000u));
+  Vec e[NV], o[NV];
+  for (int j = 0; j < NV; ++j) e[j] = Vec::loadu(ae + j * kL), o[j] = Vec::loadu(ao + j * kL);
+  for (int64_t t = 0; t < nb; ++t) {
+    if (m[t * ms]) continue;
+    const Vec pt(p[t]);
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) {
+      const IVec x = IVec::loadu(rows + t * stride + j * 2 * kL);
+      e[j] = at::vec::fmadd(pt, at::vec::cast<float>(x << shift), e[j]);
+      o[j] = at::vec::fmadd(pt, at::vec::cast<float>(x & high), o[j]);
+    }
+  }
+  for (int j = 0; j < NV; ++j) e[j].store(ae + j * kL), o[j].store(ao + j * kL);
+}
+
 // softmax over row[0:n] in place, returns the sum of the exps (masked entries are -inf: exp 0)
 float exp_row(float* row, int64_t n) {
   float mx = -std::numeric_limits<float>::infinity();
@@ -254,6 +278,22 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       const scalar_t* vr = vp + b * vs0 + h * vs1;
       for (int64_t t0 = 0; t0 < n; t0 += kBlock) {  // acc += p V over a block of slots, in registers
         const int64_t nb = std::min(kBlock, n - t0);
+        if constexpr (kBf16) {
+          if (split) {  // acc per group: the even values' sums, then the odd values'
+            for (int64_t g = 0; g < G; ++g) {
+              const float* pg = scores.data() + g * n + t0;
+              float* ae = acc.data() + g * Dv;
+              for (int64_t d = 0; d < D; d += D - d >= 8 * kL ? 8 * kL : 2 * kL) {
+                const at::BFloat16* vd = vr + t0 * vs2 + d;
+                if (D - d >= 8 * kL)
+                  accumulate_bf16<4>(pg, vd, vs2, m + t0 * ms3, ms3, nb, ae + d / 2, ae + D / 2 + d / 2);
+                else
+                  accumulate_bf16<1>(pg, vd, vs2, m + t0 * ms3, ms3, nb, ae + d / 2, ae + D / 2 + d / 2);
+              }
+            }
+            continue;
+          }
+        }
         const auto [vb, vstride] = fp32_rows(vr + t0 * vs2, vs2, m + t0 * ms3, ms3, nb, D, Dv, rows.data());
         for (int64_t g = 0; g < G; ++g)
           for (int64_t d = 0; d < Dv; d += Dv - d >= 4 * kL ? 4 * kL : kL) {
@@ -266,6 +306,10 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       }
       for (int64_t g = 0; g < G; ++g) {
         float* ag = acc.data() + g * Dv;
+        if (split) {  // back to the values' order
+          std::copy(ag, ag + D, rows.data());
+          for (int64_t j = 0; j < D / 2; ++j) ag[2 * j] = rows[j], ag[2 * j + 1] = rows[D / 2 + j];
+        }
         const Vec vinv(inv[g]);
         for (int64_t d = 0; d < Dv; d += kL) (Vec::loadu(ag + d) * vinv).store(ag + d);
         scalar_t* og = o0 + g * S * D;
