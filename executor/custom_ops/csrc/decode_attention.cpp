@@ -100,16 +100,20 @@ inline void dots(const float* q, const float* rows, int64_t stride, int64_t nb, 
   for (; t < nb; ++t) out[t] = dot(q, rows + t * stride, n);
 }
 
-// `dots` on bf16 rows read in place, without ATen's conversion (shuffles on AVX2): a 32-bit lane
-// holds two bf16 values, the even one becomes fp32 by a shift left of 16 and the odd one by
-// clearing the low half (as rows_linear's AVX2 loop does). `qe` and `qo` are q's even and odd
+using IVec = at::vec::Vectorized<int32_t>;
+
+// bf16 read without ATen's conversion (shuffles on AVX2): a 32-bit lane holds two bf16 values, the
+// even one becomes fp32 by a shift left of 16 and the odd one by clearing the low half (as
+// rows_linear's AVX2 loop does).
+inline Vec bf16_even(const IVec& x) { return at::vec::cast<float>(x << IVec(16)); }
+inline Vec bf16_odd(const IVec& x) { return at::vec::cast<float>(x & IVec(static_cast<int32_t>(0xFFFF0000u))); }
+
+// `dots` on bf16 rows read in place (bf16_even / bf16_odd). `qe` and `qo` are q's even and odd
 // values. n a multiple of 2 * kL. On the AVX2 host a 0.6B-shaped bf16 call took 0.77-0.89x the time
 // of widening the block first (with ATen's conversion, or with it inside the dots: 1.03-1.13x
 // slower still); BENCHMARKS.md, "twenty-second pass".
 inline void dots_bf16(const float* qe, const float* qo, const at::BFloat16* rows, int64_t stride, int64_t nb,
                       int64_t n, float* out) {
-  using IVec = at::vec::Vectorized<int32_t>;
-  const IVec shift(16), high(static_cast<int32_t>(0xFFFF0000u));
   auto row_dots = [&](int64_t t, auto count) {
     constexpr int kN = decltype(count)::value;
     Vec acc[kN];
@@ -120,7 +124,7 @@ inline void dots_bf16(const float* qe, const float* qo, const at::BFloat16* rows
 #pragma GCC unroll 8
       for (int i = 0; i < kN; ++i) {
         const IVec x = IVec::loadu(rows + (t + i) * stride + d);
-        acc[i] = at::vec::fmadd(o, at::vec::cast<float>(x & high), at::vec::fmadd(e, at::vec::cast<float>(x << shift), acc[i]));
+        acc[i] = at::vec::fmadd(o, bf16_odd(x), at::vec::fmadd(e, bf16_even(x), acc[i]));
       }
     }
 #pragma GCC unroll 8
@@ -132,15 +136,13 @@ inline void dots_bf16(const float* qe, const float* qo, const at::BFloat16* rows
   for (; t < nb; ++t) row_dots(t, std::integral_constant<int, 1>{});
 }
 
-// `accumulate` on bf16 rows read in place, widened as in `dots_bf16`: ae / ao (NV vectors each) +=
+// `accumulate` on bf16 rows read in place (bf16_even / bf16_odd): ae / ao (NV vectors each) +=
 // p[t] times the even / odd values of rows[t], over the unmasked t < nb (a masked slot's row may
 // hold anything, NaN included, and 0 x NaN is NaN: those slots are skipped, not weighted by 0).
 // On top of dots_bf16 a 0.6B-shaped bf16 call took 0.76-0.84x the time of the widened block.
 template <int NV>
 inline void accumulate_bf16(const float* p, const at::BFloat16* rows, int64_t stride, const bool* m, int64_t ms,
                             int64_t nb, float* ae, float* ao) {
-  using IVec = at::vec::Vectorized<int32_t>;
-  const IVec shift(16), high(static_cast<int32_t>(0xFFFF0000u));
   Vec e[NV], o[NV];
   for (int j = 0; j < NV; ++j) e[j] = Vec::loadu(ae + j * kL), o[j] = Vec::loadu(ao + j * kL);
   for (int64_t t = 0; t < nb; ++t) {
@@ -149,8 +151,8 @@ inline void accumulate_bf16(const float* p, const at::BFloat16* rows, int64_t st
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) {
       const IVec x = IVec::loadu(rows + t * stride + j * 2 * kL);
-      e[j] = at::vec::fmadd(pt, at::vec::cast<float>(x << shift), e[j]);
-      o[j] = at::vec::fmadd(pt, at::vec::cast<float>(x & high), o[j]);
+      e[j] = at::vec::fmadd(pt, bf16_even(x), e[j]);
+      o[j] = at::vec::fmadd(pt, bf16_odd(x), o[j]);
     }
   }
   for (int j = 0; j < NV; ++j) e[j].store(ae + j * kL), o[j].store(ao + j * kL);
