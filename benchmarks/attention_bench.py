@@ -13,7 +13,10 @@ Two tables (CPU: portable measurements, not Ascend results):
   running a --position-token prefill (the step's cost does not depend on the values); each row's
   logits are compared with the same mode without the op (cosine).
 Timing: every configuration takes turns in each round; the best round is kept (on a shared
-machine noise only adds time).
+machine noise only adds time). The step table also gives the paired ratio: per round, the time
+without the op over the time with it, median and range over the rounds. On a VM whose speed
+drifts between rounds that is the steadier reading: two runs of the same batch-16 row read 1.29x
+and 1.03x as ratios of best rounds (BENCHMARKS.md, "twenty-third pass").
 
   python benchmarks/attention_bench.py
   python benchmarks/attention_bench.py --size bench-overhead --lengths 2048,16384 --modes ge_graph,decoder --threads 1
@@ -38,6 +41,7 @@ from executor.config import load_config  # noqa: E402
 from executor.ops import reference  # noqa: E402
 from executor.platform import detect  # noqa: E402
 from executor.registry import default_config, runner_class  # noqa: E402
+from executor.stats import median  # noqa: E402
 from executor.tokenizer import BUILTIN_TOKENIZER  # noqa: E402
 
 OP_SHAPE = {"hq": 32, "hkv": 8, "d": 128}  # one Qwen3-8B attention layer
@@ -53,26 +57,32 @@ MODES = {  # name -> overrides (on the recipe's builtin.yaml, which ships ge_gra
 
 
 def interleaved_ms(fns: dict, rounds: int, budget_s: float = 0.05) -> dict:
-    """ms per call of each function: the best over `rounds` of the mean over a batch of calls
-    (sized to take ~budget_s), the functions taking turns within every round.
+    """ms per call of each function in every round: the mean over a batch of calls (sized to
+    take ~budget_s), the functions taking turns within every round.
 
     Why: on a shared machine (other processes on the same cores) noise only ever adds time and
-    drifts over minutes. Taking turns exposes every function to the same drift, and the minimum
-    over rounds estimates the uncontended cost."""
+    drifts over minutes. Taking turns exposes every function to the same drift: the minimum
+    over rounds estimates the uncontended cost, and a ratio within one round cancels the drift."""
     reps = {}
     for key, fn in fns.items():
         fn()  # warm-up (first call of a compiled step, caches, allocator)
         t0 = time.perf_counter()
         fn()
         reps[key] = max(1, int(budget_s / max(time.perf_counter() - t0, 1e-6)))
-    best = dict.fromkeys(fns, float("inf"))
+    per_round = {key: [] for key in fns}
     for _ in range(rounds):
         for key, fn in fns.items():
             t0 = time.perf_counter()
             for _ in range(reps[key]):
                 fn()
-            best[key] = min(best[key], (time.perf_counter() - t0) / reps[key] * 1e3)
-    return best
+            per_round[key].append((time.perf_counter() - t0) / reps[key] * 1e3)
+    return per_round
+
+
+def paired(base: list[float], other: list[float]) -> str:
+    """base / other per round: "median (min-max)"."""
+    ratios = sorted(b / o for b, o in zip(base, other, strict=True))
+    return f"{median(ratios):.3f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
 
 
 def op_table(lengths: list[int], position: int, dtype: torch.dtype, rounds: int) -> list[tuple]:
@@ -87,7 +97,7 @@ def op_table(lengths: list[int], position: int, dtype: torch.dtype, rounds: int)
         fns[(t, "reference")] = lambda args=args: reference.attention(*args)
         fns[(t, "custom")] = lambda args=args: torch.ops.cann.decode_attention(*args)
         diffs[t] = (fns[(t, "custom")]().float() - fns[(t, "reference")]().float()).abs().max().item()
-    ms = interleaved_ms(fns, rounds)
+    ms = {key: min(v) for key, v in interleaved_ms(fns, rounds).items()}
     return [(t, ms[(t, "reference")], ms[(t, "custom")], diffs[t]) for t in lengths]
 
 
@@ -165,22 +175,26 @@ def main(argv=None) -> int:
                 )
                 print(f"  compiled step {mode} custom_ops={custom} T={t}", flush=True)
     timed = interleaved_ms({key: b[0] for key, b in built.items()}, args.rounds)
-    results = {key: (timed[key], *b[1:]) for key, b in built.items()}
+    results = {key: (min(timed[key]), *b[1:]) for key, b in built.items()}
     arch = next(iter(results.values()))[3]
     print(
         f"\n## step: recipe {args.model}, size {args.size} ({arch.num_layers} layers), batch {args.batch}, {args.dtype}"
     )
-    print("| exe_mode | custom_ops | max_len | decode ms/step | speed-up over no op | max_len ratio | cosine |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| exe_mode | custom_ops | max_len | decode ms/step | speed-up over no op | paired, per round | max_len ratio "
+        "| cosine |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for (mode, custom, t), (ms, logits, _kv, _arch) in results.items():
         plain = results[(mode, False, t)]
         ratio = ms / results[(mode, custom, lengths[0])][0]
-        cos = torch.nn.functional.cosine_similarity(logits.flatten().float(), plain[1].flatten().float(), dim=0)
-        cos = cos.item()  # in fp32: a bf16 cosine of a row with itself reads 0.99995
+        cos = torch.nn.functional.cosine_similarity(logits.flatten().double(), plain[1].flatten().double(), dim=0)
+        cos = cos.item()  # in fp64: a bf16 cosine of a row with itself reads 0.99995, an fp32 one over 1
         label = {"decoder": "ge_graph + SK decoder"}.get(mode, mode)
         print(
             f"| {label} | {'[decode_attention]' if custom else '-'} | {t} | {ms:.3f} | "
-            f"{plain[0] / ms:.2f}x | {ratio:.2f}x | {cos:.6f} |"
+            f"{plain[0] / ms:.2f}x | {paired(timed[(mode, False, t)], timed[(mode, custom, t)])} | {ratio:.2f}x "
+            f"| {cos:.6f} |"
         )
     width = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
     valid = 2 * arch.num_layers * args.batch * arch.num_kv_heads * (args.position + 1) * arch.head_dim * width

@@ -1,5 +1,5 @@
-"""The benchmarks' arithmetic: decode_bench's and prefill_bench's roofline terms, and how each decode
-mode's row is judged.
+"""The benchmarks' arithmetic: decode_bench's and prefill_bench's roofline terms, how each decode
+mode's row is judged, and attention_bench's paired ratio.
 
 Why test a benchmark: its "x roofline" column is how issue 13's targets are read. A FLOP count
 off by a factor, or a mode judged against the start's rates instead of those read next to its own
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.attention_bench import paired
 from benchmarks.decode_bench import Row, moved, print_batch_summary, print_table, step_cost, token_check
 from benchmarks.prefill_bench import prefill_cost
 from executor.arch import load_arch
@@ -84,3 +85,11 @@ def test_token_check_names_the_first_step_any_row_departs():
     ref = [[1, 2, 3, 4], [5, 6, 7, 8]]
     assert token_check(ref, ref) == "same tokens"
     assert token_check([[1, 2, 3, 9], [5, 6, 0, 8]], ref) == "differs from step 2"
+
+
+def test_the_paired_ratio_is_taken_within_each_round():
+    # The machine slows 2x in round 2: per-round ratios stay 1.25, while best-of-rounds would compare
+    # round 1's base with round 3's other.
+    base, other = [10.0, 20.0, 12.0], [8.0, 16.0, 9.6]
+    assert paired(base, other) == "1.250 (1.25-1.25)"
+    assert paired([10.0, 30.0, 12.0], [10.0, 10.0, 12.0]) == "1.000 (1.00-3.00)"  # the median, not the mean
