@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -121,3 +122,39 @@ def test_a_cold_runs_directory_goes_with_its_runner_and_at_exit(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
     left = Path(proc.stdout.strip())
     assert left.name.startswith("sk_exit_") and not left.exists()  # a process that ends holding one
+
+
+def test_a_killed_runs_directory_is_removed_by_the_next_one_and_a_live_ones_is_not(tmp_path):
+    """SIGKILL (or the OOM killer) runs no finalizer, so the directory stays; the next ScratchDir of
+    the same prefix removes it, because nothing holds its lock any more. A live owner's directory
+    and a directory that is not a ScratchDir stay."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    hold = (
+        "import sys\nfrom executor.backends.inductor import ScratchDir\n"
+        "d = ScratchDir('sk_t_')\nprint(d.path, flush=True)\n"
+    )
+
+    def holder() -> tuple[subprocess.Popen, Path]:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", hold + "sys.stdin.read()\n"],
+            cwd=root,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        return proc, Path(proc.stdout.readline().strip())
+
+    live, live_dir = holder()
+    killed, killed_dir = holder()
+    killed.kill()  # SIGKILL
+    killed.wait()
+    (tmp_path / "sk_t_not_a_scratch_dir").mkdir()
+    assert killed_dir.parent == tmp_path and killed_dir.exists() and live_dir.exists()
+    proc = subprocess.run([sys.executable, "-c", hold], cwd=root, env=env, capture_output=True, text=True, check=True)
+    assert not killed_dir.exists()
+    assert live_dir.exists() and (tmp_path / "sk_t_not_a_scratch_dir").exists()
+    assert not Path(proc.stdout.strip()).exists()  # that one went at its own exit
+    live.communicate("")
+    assert not live_dir.exists()
