@@ -62,6 +62,7 @@ OP = CustomOp(
     # step, op / reference time: 0.75x at 1017 slots, ~1.0x at 505, 1.05x at 249 (AVX-512 host);
     # 0.53x at 1024, 0.65x at 512, 0.99x at 256 (AVX2 host). Below this the extern call splits
     # the layer's fused kernel and costs more than the skipped slots save (BENCHMARKS.md,
-    # "sixteenth", "seventeenth" and "twenty-second pass").
+    # "sixteenth", "seventeenth" and "twenty-second pass"). Rows are not counted: at 64 slots and
+    # batch 16-64 the step was level with the op within +-5% on the AVX2 host ("twenty-third pass").
     auto_min_slots=512,
 )
