@@ -459,16 +459,14 @@ def _remove_locked(path: str, fd: int) -> None:
     os.close(fd)
 
 
-def sweep_orphans(prefix: str, root: str | None = None) -> list[str]:
-    """Remove the ScratchDirs of `prefix` in `root` (the temporary directory) whose owner is gone;
-    returns their paths. A directory without a LOCK file (being created, or not a ScratchDir) is
-    left alone."""
-    removed = []
-    base = root or tempfile.gettempdir()
+def sweep_orphans(prefix: str) -> None:
+    """Remove the ScratchDirs of `prefix` in the temporary directory whose owner is gone. A
+    directory without a LOCK file (being created, or not a ScratchDir) is left alone."""
+    base = tempfile.gettempdir()
     for name in os.listdir(base):
-        path = os.path.join(base, name)
         if not name.startswith(prefix):
             continue
+        path = os.path.join(base, name)
         try:
             fd = os.open(os.path.join(path, ScratchDir.LOCK), os.O_RDWR)
         except OSError:  # no LOCK, not ours to open, not a directory
@@ -479,8 +477,6 @@ def sweep_orphans(prefix: str, root: str | None = None) -> list[str]:
             os.close(fd)
             continue
         _remove_locked(path, fd)
-        removed.append(path)
-    return removed
 
 
 class InductorBackend(Backend):
