@@ -63,6 +63,6 @@ OP = CustomOp(
     # 0.53x at 1024, 0.65x at 512, 0.99x at 256 (AVX2 host). Below this the extern call splits
     # the layer's fused kernel and costs more than the skipped slots save (BENCHMARKS.md,
     # "sixteenth", "seventeenth" and "twenty-second pass"). Rows are not counted: at 64 slots and
-    # batch 16-64 the step was level with the op within +-5% on the AVX2 host ("twenty-third pass").
+    # batch 4-64 the step was level with the op within +-5% on the AVX2 host ("twenty-third pass").
     auto_min_slots=512,
 )
