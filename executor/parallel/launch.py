@@ -23,8 +23,10 @@ import logging
 import os
 import re
 import shlex
+import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,7 +89,7 @@ def launch(plan: Plan, log_dir: Path) -> int:
     if plan.platform.kind == "cpu":
         share = str(max(1, cpu_cores() // plan.per_node))
         env |= {"OMP_NUM_THREADS": share, "TORCHINDUCTOR_COMPILE_THREADS": share}
-    with environment(env), _quiet_torchrun(), _torchrun_log_dir(plan.args) as args:  # the ranks inherit the env
+    with environment(env), _quiet_torchrun(), _torchrun_log_dir(plan.args) as args, _signal_handlers_kept():
         try:
             torchrun.run(torchrun.parse_args(args))
         except ChildFailedError as exc:
@@ -103,6 +105,29 @@ def launch(plan: Plan, log_dir: Path) -> int:
             print(f"interrupted ({exc.sigval.name}); the ranks were stopped", file=sys.stderr)
             return EXIT_INTERRUPTED
     return 0
+
+
+TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # torchelastic's default TORCHELASTIC_SIGNALS_TO_HANDLE
+
+
+@contextlib.contextmanager
+def _signal_handlers_kept() -> Iterator[None]:
+    """The process's handlers for TORCHRUN_SIGNALS, put back when the ranks are done.
+
+    Why: torchrun installs its own (they raise its SignalException) and leaves them installed. A
+    tool that runs ranks in-process and then goes on (accuracy, sk_compare with several ranks)
+    would afterwards get that exception instead of KeyboardInterrupt on Ctrl-C; a test of the
+    interrupt handling in the same pytest worker found torchrun's handler still there."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in (getattr(signal, n) for n in TORCHRUN_SIGNALS if hasattr(signal, n))}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:  # None: not installed from Python, nothing to put back
+                signal.signal(sig, handler)
 
 
 @contextlib.contextmanager
