@@ -68,6 +68,12 @@ class Generation:
     first_logits: torch.Tensor  # (B, V) fp32 logits of the prefill's last real token
     last_logits: torch.Tensor  # (B, V) logits of the last decode step
     decode_threads: list[int] = field(default_factory=list)  # intra-op threads per decode step (executor/threads.py)
+    compile_steps: list[int] = field(default_factory=list)  # decode steps that compiled for a new thread count
+
+    def sample_ms(self) -> list[float]:
+        """The decode steps' times without the steps that compiled (not samples of the step)."""
+        skip = set(self.compile_steps)
+        return [ms for i, ms in enumerate(self.decode_ms) if i not in skip]
 
 
 @dataclass
@@ -304,14 +310,15 @@ class ModelRunner:
             token = greedy.next_tokens(pre.logits)  # (B, 1)
             out, step_ms, logits = [token], [], pre.logits
             pos = pre.lengths.view(b, 1).clone()
-            step_threads = []
-            with self.threads.decoding(key=(self.step_key, b)) as threads:
+            step_threads, compile_steps = [], []
+            with self.threads.decoding(key=(self.step_key, b), steps=max_new_tokens - 1) as threads:
                 for i in range(max_new_tokens - 1):
                     step_threads.append(threads.threads)
                     waited, t0 = threads.waited_ms(), self.now()
                     logits = self.decode_one(token, pos)
                     step_ms.append((self.now() - t0) * 1e3)
-                    threads.observe(step_ms[-1], threads.waited_ms() - waited)  # may change the next step's count
+                    if not threads.observe(step_ms[-1], threads.waited_ms() - waited):  # may change the next count
+                        compile_steps.append(i)
                     self.check_finite(
                         logits,
                         f"decode step {i + 1}",
@@ -324,7 +331,7 @@ class ModelRunner:
                         on_step(i, step_ms[-1])
         tokens = runtime.gather_rows(torch.cat(out, dim=1).tolist(), self.parallel)
         first, last = (runtime.gather_row_tensor(t, self.parallel) for t in (pre.logits, logits))
-        return Generation(all_rows, tokens, pre.ms, step_ms, first, last, step_threads)
+        return Generation(all_rows, tokens, pre.ms, step_ms, first, last, step_threads, compile_steps)
 
     def check_finite(self, logits: torch.Tensor, step: str, rerun: Callable[[numerics.RegionTracker], object]) -> None:
         """Stop at the first step whose (B, V) logits hold NaN or inf, naming the step and the
@@ -395,12 +402,7 @@ class ModelRunner:
                 on_step=lambda i, ms: self.log(logs.format_decode(self.name, ms)),
                 on_prefill=lambda ms: self.log(logs.format_prefill(self.name, ms)),
             )
-        steps = len(gen.decode_ms)
-        tps = sc.batch_size * steps / (sum(gen.decode_ms) / 1e3) if steps else None
-        if steps:
-            self.log(logs.format_average(self.name, logs.decode_average_ms(gen.decode_ms)))
-            self.log(logs.format_throughput(self.name, tps))
-        self.log(logs.format_run_shape(self.name, sc.batch_size, steps))
+        tps = self._summarise_decode(gen)
         texts = [self.tokenizer.decode(self._until_eos(t)) for t in gen.token_ids]
         for prompt, text in zip(self.prompts(), texts):
             self.log(f"[prompt] {prompt!r}\n[output] {text!r}")
@@ -419,6 +421,24 @@ class ModelRunner:
 
             return contextlib.nullcontext()
         return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+
+    def _summarise_decode(self, gen: Generation) -> float | None:
+        """Log the decode average, the throughput and the run's shape; returns tokens/s. Steps that
+        compiled the step for a new thread count (executor/threads.py) are left out of both, as the
+        warm-up's compile is: one 20 s recompile among 31 steps of 1 ms read as 1.4 tokens/s."""
+        batch, samples = len(gen.token_ids), gen.sample_ms()
+        tps = batch * len(samples) / (sum(samples) / 1e3) if samples else None
+        if samples:
+            self.log(logs.format_average(self.name, logs.decode_average_ms(samples)))
+            self.log(logs.format_throughput(self.name, tps))
+        if gen.compile_steps:
+            self.log(
+                f"[run] the average and the throughput leave out decode step(s) "
+                f"{', '.join(map(str, gen.compile_steps))}: they compiled the step for a new thread count "
+                f"({(sum(gen.decode_ms) - sum(samples)) / 1e3:.1f} s), as the warm-up's compile is left out"
+            )
+        self.log(logs.format_run_shape(self.name, batch, len(gen.decode_ms)))
+        return tps
 
     def _until_eos(self, tokens: list[int]) -> list[int]:
         eos = self.tokenizer.eos_token_id
@@ -472,8 +492,9 @@ class ModelRunner:
             "prefill_ms": gen.prefill_ms,
             **self.prefill_kernels.to_metrics(),
             "decode_ms": gen.decode_ms,
-            "decode_ms_median": statistics.median(gen.decode_ms) if gen.decode_ms else None,
-            "decode_ms_average": logs.decode_average_ms(gen.decode_ms) if gen.decode_ms else None,
+            "decode_compile_steps": gen.compile_steps,  # 0-based indices into decode_ms, left out of the stats
+            "decode_ms_median": statistics.median(gen.sample_ms()) if gen.sample_ms() else None,
+            "decode_ms_average": logs.decode_average_ms(gen.sample_ms()) if gen.sample_ms() else None,
             "tokens_per_s": tps,
             "peak_memory_mb": round(peak, 1),
             "memory": self.memory.to_metrics(measured, measured_by),  # estimate (checked before allocating) vs peak

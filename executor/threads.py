@@ -28,8 +28,13 @@ heavy (a quarter of the time over a full window of steps: a neighbour holding a 
 0.6B steps 2.8-4.8x slower), until the waiting since the last change adds up to what the step's
 first compile took (rent until the rent would have paid for the purchase): 2.5 ms of waiting per
 50 ms step (a bf16 batch sweep on a VM with short bursts of kernel work) is not worth a 56 s
-recompile, which that sweep paid three times before this rule. The window starts empty in each
-generate call, so calls shorter than it only ever try once the waiting has paid. Off with several ranks
+recompile, which that sweep paid three times before this rule. Nor is it made, however heavy the
+waiting, when the steps left in the generate call take less time in all than that compile: fewer
+threads cannot save more than all of them (`bash infer.sh`, 31 steps of ~1 ms on a host busy for a
+moment, once paid a 21.7 s recompile for 1 thread and then went back to 2). The window starts empty
+in each generate call, so calls shorter than it only ever try once the waiting has paid. The step
+that compiles is reported by `observe`, so that the runner leaves it out of the decode averages
+and the throughput, as it leaves out the warm-up's compile. Off with several ranks
 (every rank must compute replicated values in the same order) and off the CPU (host threads there
 only launch kernels). Each decode step's thread count is returned with its time, and metrics.json
 says whether the governor was on, why not, and every change it made.
@@ -136,8 +141,8 @@ class ThreadGovernor:
         """The process's threads' total wait for a core so far (0 when off); a step's is a difference."""
         return self.clock.read_ms() if self.clock else 0.0
 
-    def _new_call(self, key: object) -> None:
-        self.key, self.step = key, 0
+    def _new_call(self, key: object, steps: int | None = None) -> None:
+        self.key, self.step, self.steps = key, 0, steps
         self.window: list[tuple[float, float]] = []  # (ms, wait ms) of recent steps at the chosen count
         self.trying: int | None = None  # the level being tried
         self.tried_ms: list[float] = []
@@ -148,11 +153,12 @@ class ThreadGovernor:
         self.set_threads(self.running)
 
     @contextlib.contextmanager
-    def decoding(self, key: object) -> Iterator[ThreadGovernor]:
-        """One generate call's decode loop for the compiled step `key`, at the count chosen so
-        far. The process's count is restored on exit, whatever happens."""
+    def decoding(self, key: object, steps: int | None = None) -> Iterator[ThreadGovernor]:
+        """One generate call's decode loop of `steps` steps (None: not known) for the compiled
+        step `key`, at the count chosen so far. The process's count is restored on exit, whatever
+        happens."""
         before = torch.get_num_threads()
-        self._new_call(key)
+        self._new_call(key, steps)
         try:
             if self.enabled:
                 self.clock = RunQueueClock()
@@ -165,11 +171,13 @@ class ThreadGovernor:
             if self.enabled:
                 self.set_threads(before)
 
-    def observe(self, ms: float, wait_ms: float) -> None:
-        """The step just run took `ms`; its threads spent `wait_ms` (summed) waiting for a core."""
+    def observe(self, ms: float, wait_ms: float) -> bool:
+        """The step just run took `ms`; its threads spent `wait_ms` (summed) waiting for a core.
+        Returns False when that step compiled the step for a thread count (not a sample of the
+        step's time), True otherwise."""
         step, self.step = self.step, self.step + 1
         if not self.enabled:
-            return
+            return True
         if (self.key, self.running) not in self.compiled:
             # The first step of a compiled step at a thread count compiles it: Dynamo guards on the
             # count, and Inductor emits kernels for it (a one-off, kept in the compile cache). Not a sample.
@@ -180,14 +188,14 @@ class ThreadGovernor:
                     f"[run] decode step {step}: first step on {self.running} intra-op thread(s), {ms / 1e3:.1f} s "
                     "(a compiled step is compiled again for each thread count)"
                 )
-            return
+            return False
         self.since, self.since_ms, self.since_wait_ms = self.since + 1, self.since_ms + ms, self.since_wait_ms + wait_ms
         if self.trying is not None:
             self._judge(ms, step)
-            return
+            return True
         self.window = [*self.window[-(WINDOW - 1) :], (ms, wait_ms)]
         if len(self.window) < PROBE:
-            return
+            return True
         waited = sum(w for _, w in self.window)
         share = waited / max(sum(m for m, _ in self.window), 1e-9)
         contended = share >= CONTENDED and waited >= MIN_WAIT_MS * len(self.window)
@@ -196,6 +204,7 @@ class ThreadGovernor:
             self._try(self.level + 1)
         elif self.level > 0 and self._may("up", busy=share >= CLEAR):
             self._try(self.level - 1)
+        return True
 
     def _may(self, way: str, busy: bool = False) -> bool:
         steps = self.wait_for[way] * (BUSY_UP if busy else 1)
@@ -203,11 +212,27 @@ class ThreadGovernor:
 
     def _worth(self, step: int, heavy: bool) -> bool:
         """Whether a try at the next lower count is worth what it costs: nothing when the step is
-        compiled for it already; otherwise a compile, worth it under heavy waiting or once the waiting
-        since the last change has added up to the step's first compile time."""
+        compiled for it already; otherwise a compile, never worth it when the steps left in this
+        call take less time in all than the compile (fewer threads cannot save more than all of
+        it), else worth it under heavy waiting or once the waiting since the last change has added
+        up to the step's first compile time."""
         count = self.levels[self.level + 1]
         cost = self.compile_ms.get(self.key, 0.0)
-        if (self.key, count) in self.compiled or heavy or self.since_wait_ms >= cost:
+        if (self.key, count) in self.compiled:
+            return True
+        if self.steps is not None:
+            left = self.steps - step - 1
+            left_ms = left * statistics.fmean(m for m, _ in self.window)
+            if left_ms < cost:
+                if (self.key, count, self.steps) not in self.held:
+                    self.held.add((self.key, count, self.steps))
+                    self.log(
+                        f"[run] decode step {step}: threads wait for a core; a try at {count} thread(s) would compile "
+                        f"the step again (~{cost / 1e3:.1f} s), longer than the {left} step(s) left in this call take "
+                        f"(~{left_ms / 1e3:.2f} s): not tried"
+                    )
+                return False
+        if heavy or self.since_wait_ms >= cost:
             return True
         if (self.key, count) not in self.held:
             self.held.add((self.key, count))

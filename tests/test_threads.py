@@ -1,7 +1,9 @@
 """The decode loop's thread governor (executor/threads.py): its choices for given step times and
 waits, the real schedstat clock, and real runs (eager and ge_graph) on the count it chose."""
 
+import io
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -25,13 +27,14 @@ def governor():
     torch.set_num_threads(before)
 
 
-def feed(gov: ThreadGovernor, steps: list[tuple[float, float]]) -> list[int]:
-    """Run `steps` (ms, wait ms) through one decode call; the thread count each step ran with."""
-    ran = []
-    with gov.decoding(key="step"):
+def feed(gov: ThreadGovernor, steps: list[tuple[float, float]], known: bool = False) -> list[int]:
+    """Run `steps` (ms, wait ms) through one decode call (`known`: the governor is told how many
+    steps it has); the thread count each step ran with. `gov.samples` is what observe returned."""
+    ran, gov.samples = [], []
+    with gov.decoding(key="step", steps=len(steps) if known else None):
         for ms, wait in steps:
             ran.append(gov.threads)
-            gov.observe(ms, wait)
+            gov.samples.append(gov.observe(ms, wait))
     return ran
 
 
@@ -59,6 +62,8 @@ def test_waiting_for_a_core_moves_to_fewer_threads_when_they_are_not_slower(gove
     assert "1 thread(s) ran 1.200 ms/step against 5.000 at 2" in governor.changes[0].why
     assert [line.split(":")[0] for line in governor.lines] == ["[run] decode step 4", "[run] decode step 8"]
     assert "first step on 1 intra-op thread(s), 0.9 s" in governor.lines[0]
+    # the steps that compiled are not samples: the runner leaves them out of its averages
+    assert [i for i, sample in enumerate(governor.samples) if not sample] == [0, 4]
     assert torch.get_num_threads() == 2  # the call's end restores the process's count
     # the next call of the same compiled step starts at the chosen count, compiled already
     assert feed(governor, [(1.2, 0.3)] * 3) == [1, 1, 1]
@@ -85,6 +90,21 @@ def test_heavy_waiting_tries_after_a_full_window_whatever_the_compile_costs(gove
     ran = feed(governor, [(56_000.0, 0.0), *heavy, (56_000.0, 0.0), *[(150.0, 10.0)] * 3])
     assert ran == [2] * (1 + th.WINDOW) + [1] * 4
     assert [(c.was, c.threads) for c in governor.changes] == [(2, 1)]
+
+
+def test_no_compile_is_tried_that_the_steps_left_cannot_pay_for(governor):
+    # `bash infer.sh`: an 8.5 s first compile (the warm-up), then 31 steps of ~4 ms on a host busy
+    # for a moment. One thread could at best save all of the ~0.1 s left: never worth 8.5 s
+    governor.compiled.add(("step", 2))
+    governor.compile_ms["step"] = 8_500.0
+    busy = [(4.0, 3.0)] * 31
+    assert feed(governor, busy, known=True) == [2] * 31 and governor.changes == []
+    assert all(governor.samples)
+    assert len(governor.lines) == 1
+    assert "longer than the 28 step(s) left in this call take (~0.11 s): not tried" in governor.lines[0]
+    # a call long enough for the steps left to pay for it tries as soon as the waiting is heavy
+    ran = feed(governor, [*[(4.0, 3.0)] * 3_000], known=True)
+    assert ran[: th.WINDOW] == [2] * th.WINDOW and ran[th.WINDOW] == 1
 
 
 def test_a_lost_try_goes_back_and_waits_longer_before_the_next(governor):
@@ -183,7 +203,21 @@ def test_steps_on_fewer_threads_give_the_same_tokens(make_qwen_runner, qwen3_ckp
         assert one.token_ids == both.token_ids
         torch.testing.assert_close(one.last_logits, both.last_logits, rtol=1e-4, atol=1e-4)
         assert torch.get_num_threads() == 2
-        metrics = runner._metrics(one, [""] * 2, None, 0.0)["thread_governor"]
-        assert metrics == {"enabled": True, "reason": "test", "steps_per_thread_count": {"1": 5}, "changes": []}
+        metrics = runner._metrics(one, [""] * 2, None, 0.0)
+        assert metrics["thread_governor"] == {
+            "enabled": True,
+            "reason": "test",
+            "steps_per_thread_count": {"1": 5},
+            "changes": [],
+        }
+        # each call's first step ran at a count new to the step (compiled it, in ge_graph): not a sample
+        assert both.compile_steps == one.compile_steps == [0] and metrics["decode_compile_steps"] == [0]
+        assert metrics["decode_ms_median"] == statistics.median(one.decode_ms[1:])
+        runner.stream = io.StringIO()
+        one.decode_ms[0] = 20_000.0  # as a recompile on a busy host took
+        assert runner._summarise_decode(one) == pytest.approx(2 * 4 / (sum(one.decode_ms[1:]) / 1e3))
+        assert "leave out decode step(s) 0: they compiled the step for a new thread count (20.0 s)" in (
+            runner.stream.getvalue()
+        )
     finally:
         torch.set_num_threads(before)
