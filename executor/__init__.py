@@ -29,12 +29,14 @@ with fresh mmaps and returns them on free, so a tensor made every step got new p
 kernel every step. The (64, 151936) fp32 logits of a batch-64 decode step, converted from bf16,
 took 15-20 ms in new pages against 1.4 ms in reused ones (BENCHMARKS.md "eleventh pass"); the
 batch-16 ones 1.3-5 ms. The same policy PyTorch's CPU inference guides get from jemalloc or
-tcmalloc; the price is that the process's resident memory stays near its peak. Left alone when
+tcmalloc; the price is that the process's resident memory stays near its peak, so the memory
+pre-flight gives the free pages back before it reads what is available (`release_freed_memory`). Left alone when
 the user set glibc's own malloc variables (MALLOC_*_, GLIBC_TUNABLES) or preloads another
 allocator, on a C library that is not glibc, and with `CANN_RECIPES_MALLOC_DEFAULTS=0`.
 metrics.json records `malloc`.
 """
 
+import contextlib
 import ctypes
 import os
 import time
@@ -93,6 +95,18 @@ def keep_freed_memory() -> str:
     if not (libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, KEEP_FREED_TOP)):
         return f"system default (glibc {version} refused mallopt)"
     return f"glibc {version}: freed memory kept (M_MMAP_MAX=0, M_TRIM_THRESHOLD={KEEP_FREED_TOP})"
+
+
+def release_freed_memory() -> None:
+    """Give the kernel back the pages of every free block of glibc's heap (malloc_trim(0)).
+
+    Why: freed memory this process keeps is invisible to MemAvailable, so the memory pre-flight
+    (executor.memory) would count a process that loaded one model and freed it as using that
+    memory still: decode_bench, after writing a 30B-A3B-shaped checkpoint (6.1 GiB freed) and two
+    runners, was refused its third with 9.9 GB said to be available of 22.7. Trimming took 22 ms
+    there; the pages are faulted in again as the next tensors reuse them. A no-op off glibc."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")

@@ -29,7 +29,8 @@ the ranks of one machine share its RAM: the check compares ranks-on-this-machine
 need with what is free; on CUDA/NPU each rank has its own device.
 On CPU the process's own resident memory when the estimate is made is added to give the
 expected peak (what ru_maxrss measures); the check compares only the new need with what is
-free: host RAM (MemAvailable, or the cgroup's limit if lower) on CPU, free device memory on
+free: host RAM (MemAvailable, or the cgroup's limit if lower, read after the pages this process
+has freed are given back: executor.release_freed_memory) on CPU, free device memory on
 CUDA (torch.cuda.mem_get_info). On an NPU the free memory is not queried: the estimate is
 recorded and the run says the check was not done.
 """
@@ -42,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from executor import release_freed_memory
 from executor.arch import ModelArch
 from executor.backends import packed_linear
 from executor.config import RunConfig
@@ -184,6 +186,7 @@ def process_resident() -> int:
 def available(kind: str) -> tuple[int | None, str, int]:
     """(free bytes or None, where that comes from, bytes this process holds there already)."""
     if kind == "cpu":
+        release_freed_memory()  # what this process freed and kept counts as available again
         free, source = host_available()
         return free, source, process_resident()
     if kind == "cuda":

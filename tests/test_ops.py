@@ -272,6 +272,33 @@ def test_freed_memory_is_kept_for_the_next_tensor():
     assert run(MALLOC_TRIM_THRESHOLD_="131072") == "left to the user's settings False"
 
 
+def test_the_memory_check_counts_memory_this_process_freed_as_available():
+    """What the process freed and malloc kept is invisible to MemAvailable: the memory pre-flight
+    gives those pages back before it reads what is free, or a process that loaded and freed one
+    model would be refused the next (executor.release_freed_memory)."""
+    import subprocess
+    import sys
+
+    from executor import MALLOC_POLICY
+
+    if not MALLOC_POLICY.startswith("glibc"):
+        pytest.skip(f"malloc: {MALLOC_POLICY}")
+    code = (
+        "import executor, torch\n"
+        "from executor.memory import available, process_resident\n"
+        "before = process_resident()\n"
+        "x = torch.ones(1 << 26); del x\n"  # 256 MiB, freed and kept
+        "kept = process_resident() - before\n"
+        "free, source, resident = available('cpu')\n"
+        "print(kept >> 20, (resident - before) >> 20)"
+    )
+    root = str(Path(__file__).resolve().parent.parent)
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    kept_mb, after_mb = map(int, out.stdout.split())
+    assert kept_mb >= 200 and after_mb < 64, (kept_mb, after_mb)
+
+
 def test_openmp_wait_policy_follows_the_host(tmp_path):
     """executor picks the OpenMP wait policy before torch loads (benchmarks/load_bench.py: spinning
     threads made ge_graph decode 60-90x slower next to a busy neighbour, sleeping ones made idle
