@@ -108,7 +108,7 @@ class ThreadGovernor:
         self.since_wait_ms = 0.0  # and the threads' waiting for a core in that time
         self.compiled: set = set()  # (step key, thread count) pairs that have run once
         self.compile_ms: dict = {}  # step key -> its first step's time (the compile), the cost of a new count
-        self.held: set = set()  # (step key, thread count) tries held back for that cost, logged once
+        self.held: set = set()  # tries held back (key, count) or not made (key, count, steps), logged once
         self.running = self.full  # the count the governor last set
         self.clock: RunQueueClock | None = None
         self._new_call(key=None)
