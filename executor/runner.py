@@ -454,6 +454,7 @@ class ModelRunner:
         )
         measured, measured_by = memory.measured_peak(self.platform.kind)
         ran = bool(report.superkernel_ran) and mc.superkernel_enabled
+        samples = gen.sample_ms()
         return {
             "model_name": mc.model_name,
             "recipe": self.recipe,
@@ -493,8 +494,8 @@ class ModelRunner:
             **self.prefill_kernels.to_metrics(),
             "decode_ms": gen.decode_ms,
             "decode_compile_steps": gen.compile_steps,  # 0-based indices into decode_ms, left out of the stats
-            "decode_ms_median": statistics.median(gen.sample_ms()) if gen.sample_ms() else None,
-            "decode_ms_average": logs.decode_average_ms(gen.sample_ms()) if gen.sample_ms() else None,
+            "decode_ms_median": statistics.median(samples) if samples else None,
+            "decode_ms_average": logs.decode_average_ms(samples) if samples else None,
             "tokens_per_s": tps,
             "peak_memory_mb": round(peak, 1),
             "memory": self.memory.to_metrics(measured, measured_by),  # estimate (checked before allocating) vs peak
