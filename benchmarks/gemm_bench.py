@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from executor.arch import ModelArch, load_arch  # noqa: E402
-from executor.backends import packed_linear  # noqa: E402
+from executor.backends import eager_linear, packed_linear  # noqa: E402
 from executor.errors import RecipeError  # noqa: E402
 
 
@@ -48,6 +48,11 @@ def kernel_pass(xs: dict, weights: list[torch.Tensor], packed: list[torch.Tensor
 def aten_pass(xs: dict, weights: list[torch.Tensor], _packed: list[torch.Tensor]) -> None:
     for w in weights:
         torch.nn.functional.linear(xs[w.shape[1]], w)
+
+
+def gemv_pass(xs: dict, weights: list[torch.Tensor], _packed: list[torch.Tensor]) -> None:
+    for w in weights:
+        torch.ops.cann_cpu.gemv(xs[w.shape[1]], w, None)
 
 
 def onednn_pass(xs: dict, weights: list[torch.Tensor], packed: list[torch.Tensor]) -> None:
@@ -100,6 +105,8 @@ def main(argv=None) -> int:
     for rows in [int(r) for r in args.rows.split(",")]:
         xs = {k: torch.randn(rows, k).to(dtype) for k in {k for _, k in shapes}}
         methods = {"kernel": (kernel_pass, [packed_linear.pack_rows(w) for w in weights])}
+        if rows <= eager_linear.GEMV_MAX_ROWS and eager_linear.gemv_runs(dtype):  # eager's few-row kernel
+            methods["gemv"] = (gemv_pass, [])
         if packed_linear.supported(dtype):
             reordered = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
             methods["oneDNN packed"] = (onednn_pass, reordered)

@@ -10,6 +10,7 @@ demand.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -84,7 +85,8 @@ def test_one_to_four_rows_run_the_gemv_kernel(dtype, shape):
         aten = F.linear(x, big.weight, big.bias)
         got = mode.linear(x, big.weight, big.bias)
         mode.linear(x, big.weight.t().contiguous().t(), big.bias)  # columns contiguous: not the kernel's layout
-    assert mode.gemv_calls == 1
+    rows = math.prod(shape[:-1])
+    assert mode.gemv_calls == int(rows <= eager_linear.gemv_max_rows())  # a CPU with AMX: one row
     assert got.shape == (*shape[:-1], 2 * LARGE) and got.dtype == dtype
     err, aten_err = (got.double() - want).abs().max(), (aten.double() - want).abs().max()
     assert err <= 1.5 * aten_err + (1e-6 if dtype == torch.float32 else 1e-3)

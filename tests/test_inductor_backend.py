@@ -144,7 +144,7 @@ def test_batched_linears_compile_to_the_same_result_packing_each_weight_once(sup
         compiled = compile_inductor(step, superkernel, "cpu")
         torch.testing.assert_close(compiled(x, None), step(x, None), **tol)
         first = {w: packed_linear._packed.kept(w) for w in (up.weight, down.weight)}
-        if packed_linear.kernel_runs(dtype):  # 3 rows: the kernel's layout
+        if packed_linear.kernel_fits(up.weight, 3):  # the kernel's layout (not on a CPU with AMX: oneDNN's)
             assert all(p.shape == packed_linear.pack_rows(w).shape for w, p in first.items())
         compiled(x, None)
         assert all(packed_linear._packed.kept(w) is p for w, p in first.items())  # packed once, reused

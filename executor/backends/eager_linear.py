@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from executor.backends import packed_linear
-from executor.custom_ops._build import cpu_has_avx2, cpu_has_avx512, load_optional_kernel
+from executor.custom_ops._build import cpu_has_amx, cpu_has_avx2, cpu_has_avx512, load_optional_kernel
 from executor.ops import reference
 from executor.platform import cpu_runs_bf16
 
@@ -94,14 +94,26 @@ def _large(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 @functools.cache
+def gemv_max_rows() -> int:
+    """The most rows the eager path gives the GEMV kernel: GEMV_MAX_ROWS, or one on a CPU with AMX.
+    There oneDNN ran the eager 0.6B-shape batch-4 step in 0.91x (bf16, aten's linear) and 0.96x
+    (fp32) of the time it took with the kernel, whose 4-row loop read the weights at 0.50-0.64 of a
+    sum's rate against oneDNN's 0.74-0.85 (BENCHMARKS.md, "twenty-fifth pass")."""
+    return 1 if cpu_has_amx() else GEMV_MAX_ROWS
+
+
+@functools.cache
 def gemv_in_graphs(dtype: torch.dtype) -> bool:
     """A compiled decode graph's large single-row linears call the GEMV kernel instead of becoming
     Inductor's generated reductions (executor.backends.graph_passes): bf16 on a CPU without
-    AVX512-BF16 or AMX. There the reduction widened bf16 in generated code at 15-19 GB/s even
-    from cache, below the read bandwidth, while the kernel read the 0.6B shape's weights at
-    25-60 (BENCHMARKS.md, "nineteenth pass"). Where bf16 is native, or in fp32, the reduction
-    keeps up with memory and stays (one kernel fewer to call per projection)."""
-    return dtype == torch.bfloat16 and not cpu_runs_bf16() and gemv_runs(dtype)
+    AVX512-BF16 or AMX, and bf16 on one with AMX. On an AVX2 host the reduction widened bf16 in
+    generated code at 15-19 GB/s even from cache, below the read bandwidth, while the kernel read
+    the 0.6B shape's weights at 25-60 (BENCHMARKS.md, "nineteenth pass"); on the AMX host the bf16
+    batch-1 ge_graph step took 51 ms with the kernel against 55 with the reductions ("twenty-fifth
+    pass"). On AMD's AVX512-BF16 hosts, and in fp32 everywhere (on the AMX host the fp32 step took
+    112 ms with the kernel, 85 without), the reduction keeps up with memory and stays (one kernel
+    fewer to call per projection)."""
+    return dtype == torch.bfloat16 and (not cpu_runs_bf16() or cpu_has_amx()) and gemv_runs(dtype)
 
 
 @functools.cache
@@ -117,7 +129,7 @@ def rows_run_plain(dtype: torch.dtype) -> bool:
 
 
 class LinearKernel:
-    """`linear` for the op table: the GEMV kernel for 1-4 rows of a large CPU weight in bf16 or
+    """`linear` for the op table: the GEMV kernel for 1-4 rows (gemv_max_rows) of a large CPU weight in bf16 or
     fp32; for more rows oneDNN in fp32, and in bf16 the rows kernel where oneDNN would emulate
     bf16; the reference otherwise. The counts are what metrics.json reports."""
 
@@ -129,7 +141,7 @@ class LinearKernel:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if _large(x, weight, bias):
             rows = x.numel() // x.shape[-1]
-            if rows <= GEMV_MAX_ROWS and weight.stride(1) == 1 and gemv_runs(weight.dtype):
+            if rows <= gemv_max_rows() and weight.stride(1) == 1 and gemv_runs(weight.dtype):
                 self.gemv_calls += 1
                 return torch.ops.cann_cpu.gemv.default(x, weight, bias)
             if weight.dtype == torch.float32 and packed_linear.supported(torch.float32):

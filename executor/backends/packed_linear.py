@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from executor.custom_ops._build import cpu_has_avx2, cpu_has_avx512, load_optional_kernel
+from executor.custom_ops._build import cpu_has_amx, cpu_has_avx2, cpu_has_avx512, load_optional_kernel
 from executor.memo import TensorMemo
 from executor.platform import cpu_runs_bf16
 
@@ -113,8 +113,15 @@ def kernel_cols(dtype: torch.dtype) -> int:
     return 16 if cpu_has_avx2() else 0
 
 
+@functools.cache  # asked on every call, through _fits's cache
 def max_kernel_rows(dtype: torch.dtype) -> int:
-    """The most rows the kernel takes on this CPU (past them oneDNN, or aten, runs the call)."""
+    """The most rows the kernel takes on this CPU (past them oneDNN, or aten, runs the call). No rows
+    on a CPU with AMX, where oneDNN runs the dtype: there oneDNN on its packed weights ran the
+    0.6B-shape decode step faster at every batch, in both dtypes (ge_graph, one process per run,
+    alternating: 0.70x the kernel's step time at batch 4 and 0.59x at 16 in bf16, 0.79x and 0.94x
+    in fp32; BENCHMARKS.md, "twenty-fifth pass"). The kernel's AVX-512 loop was tuned on AMD Zen 4."""
+    if cpu_has_amx() and supported(dtype):
+        return 0
     return MAX_KERNEL_ROWS if kernel_cols(dtype) == 64 else MAX_AVX2_KERNEL_ROWS
 
 

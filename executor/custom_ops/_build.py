@@ -168,6 +168,14 @@ def cpu_has_avx512(dtype: torch.dtype) -> bool:
     return torch.cpu._is_avx512_supported()
 
 
+def cpu_has_amx() -> bool:
+    """This CPU has AMX tiles (Intel Xeon, Sapphire Rapids and later), which oneDNN uses for bf16
+    products. The one such host measured here (2 vCPUs of an Intel Xeon with AMX-BF16) ran several
+    lowerings differently from the AMD hosts the kernels were tuned on (BENCHMARKS.md,
+    "twenty-fifth pass"): the backends ask this, not the vendor, as the kind of CPU it was."""
+    return torch.cpu._is_amx_tile_supported()
+
+
 def cpu_has_avx2() -> bool:
     """This CPU runs AVX2 code (rows_linear's 16-column loop, which also checks FMA itself)."""
     return torch.cpu._is_avx2_supported()
