@@ -311,7 +311,8 @@ class ModelRunner:
             out, step_ms, logits = [token], [], pre.logits
             pos = pre.lengths.view(b, 1).clone()
             step_threads, compile_steps = [], []
-            with self.threads.decoding(key=(self.step_key, b), steps=max_new_tokens - 1) as threads:
+            decoding = self.threads.decoding((self.step_key, b), max_new_tokens - 1, self.step.compiles)
+            with decoding as threads:
                 for i in range(max_new_tokens - 1):
                     step_threads.append(threads.threads)
                     waited, t0 = threads.waited_ms(), self.now()

@@ -141,8 +141,8 @@ class ThreadGovernor:
         """The process's threads' total wait for a core so far (0 when off); a step's is a difference."""
         return self.clock.read_ms() if self.clock else 0.0
 
-    def _new_call(self, key: object, steps: int | None = None) -> None:
-        self.key, self.step, self.steps = key, 0, steps
+    def _new_call(self, key: object, steps: int | None = None, compiles: bool = True) -> None:
+        self.key, self.step, self.steps, self.compiles = key, 0, steps, compiles
         self.window: list[tuple[float, float]] = []  # (ms, wait ms) of recent steps at the chosen count
         self.trying: int | None = None  # the level being tried
         self.tried_ms: list[float] = []
@@ -153,12 +153,13 @@ class ThreadGovernor:
         self.set_threads(self.running)
 
     @contextlib.contextmanager
-    def decoding(self, key: object, steps: int | None = None) -> Iterator[ThreadGovernor]:
-        """One generate call's decode loop of `steps` steps (None: not known) for the compiled
-        step `key`, at the count chosen so far. The process's count is restored on exit, whatever
-        happens."""
+    def decoding(self, key: object, steps: int | None = None, compiles: bool = True) -> Iterator[ThreadGovernor]:
+        """One generate call's decode loop of `steps` steps (None: not known) for the step `key`,
+        at the count chosen so far; `compiles`: the step is compiled per thread count (graph
+        modes), not eager, whose first step at a new count is a step like the others and costs
+        nothing to try. The process's count is restored on exit, whatever happens."""
         before = torch.get_num_threads()
-        self._new_call(key, steps)
+        self._new_call(key, steps, compiles)
         try:
             if self.enabled:
                 self.clock = RunQueueClock()
@@ -178,7 +179,7 @@ class ThreadGovernor:
         step, self.step = self.step, self.step + 1
         if not self.enabled:
             return True
-        if (self.key, self.running) not in self.compiled:
+        if self.compiles and (self.key, self.running) not in self.compiled:
             # The first step of a compiled step at a thread count compiles it: Dynamo guards on the
             # count, and Inductor emits kernels for it (a one-off, kept in the compile cache). Not a sample.
             self.compiled.add((self.key, self.running))
@@ -212,10 +213,11 @@ class ThreadGovernor:
 
     def _worth(self, step: int, heavy: bool) -> bool:
         """Whether a try at the next lower count is worth what it costs: nothing when the step is
-        compiled for it already; otherwise a compile, never worth it when the steps left in this
-        call take less time in all than the compile (fewer threads cannot save more than all of
-        it), else worth it under heavy waiting or once the waiting since the last change has added
-        up to the step's first compile time."""
+        compiled for it already (or eager: no compile time is ever recorded for it); otherwise a
+        compile, never worth it when the steps left in this call take less time in all than the
+        compile (fewer threads cannot save more than all of it), else worth it under heavy
+        waiting or once the waiting since the last change has added up to the step's first
+        compile time."""
         count = self.levels[self.level + 1]
         cost = self.compile_ms.get(self.key, 0.0)
         if (self.key, count) in self.compiled:

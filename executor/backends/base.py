@@ -140,6 +140,11 @@ class CompiledStep:
         self.calls = self.graphs = self.recompiles = 0
         self.compile_s = 0.0
 
+    @property
+    def compiles(self) -> bool:
+        """The step is compiled (per thread count, too: the thread governor asks), not eager."""
+        return self._compiles
+
     def _call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.fn(input_ids, positions)
 
