@@ -2,7 +2,7 @@
 
 While `EagerKernels.active()` (or a step wrapped by `eager_step`) runs, the op table entries
 that are still the reference's own functions (executor.ops.over_reference) are these instead:
-- `linear`: `cann_cpu::gemv` for 1-4 rows in bf16 and fp32 (one row on a CPU with AMX), oneDNN for
+- `linear`: `cann_cpu::gemv` for 1-4 rows in bf16 and fp32 (one bf16 row on a CPU with AMX), oneDNN for
   more rows in fp32, and
   `cann_cpu::rows_linear` for more rows in bf16 where oneDNN would emulate it
   (executor.backends.eager_linear);

@@ -103,6 +103,15 @@ def gemv_max_rows() -> int:
 
 
 @functools.cache
+def aten_takes_single_rows(dtype: torch.dtype) -> bool:
+    """A single fp32 row goes to aten's linear (MKL's sgemv) on a CPU with AMX: there it read the
+    0.6B shape's weights at 0.97 of a sum's rate, the GEMV kernel at 0.84 and oneDNN at 0.90, and
+    the eager MoE step at the 30B-A3B shape (its fp32 lm_head) was slower than transformers'
+    (BENCHMARKS.md, "twenty-fifth pass"). On the AMD hosts MKL's sgemv was the slow one (~17 GB/s)."""
+    return dtype == torch.float32 and cpu_has_amx()
+
+
+@functools.cache
 def gemv_in_graphs(dtype: torch.dtype) -> bool:
     """A compiled decode graph's large single-row linears call the GEMV kernel instead of becoming
     Inductor's generated reductions (executor.backends.graph_passes): bf16 on a CPU without
@@ -141,6 +150,8 @@ class LinearKernel:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if _large(x, weight, bias):
             rows = x.numel() // x.shape[-1]
+            if rows == 1 and aten_takes_single_rows(weight.dtype):
+                return reference.linear(x, weight, bias)
             if rows <= gemv_max_rows() and weight.stride(1) == 1 and gemv_runs(weight.dtype):
                 self.gemv_calls += 1
                 return torch.ops.cann_cpu.gemv.default(x, weight, bias)
