@@ -138,9 +138,10 @@ def rows_run_plain(dtype: torch.dtype) -> bool:
 
 
 class LinearKernel:
-    """`linear` for the op table: the GEMV kernel for 1-4 rows (gemv_max_rows) of a large CPU weight in bf16 or
-    fp32; for more rows oneDNN in fp32, and in bf16 the rows kernel where oneDNN would emulate
-    bf16; the reference otherwise. The counts are what metrics.json reports."""
+    """`linear` for the op table: the GEMV kernel for 1-4 rows (gemv_max_rows) of a large CPU
+    weight in bf16 or fp32, except a single fp32 row on a CPU with AMX (aten_takes_single_rows);
+    for more rows oneDNN in fp32, and in bf16 the rows kernel where oneDNN would emulate bf16; the
+    reference otherwise. The counts are what metrics.json reports."""
 
     def __init__(self):
         self.onednn_calls = 0
