@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from executor.custom_ops._build import cpu_has_avx512, load_optional_kernel
+from executor.custom_ops._build import cpu_has_amx, cpu_has_avx512, load_optional_kernel
 from executor.ops import reference
 
 KERNEL = "cann_cpu::causal_attention"
@@ -50,6 +50,15 @@ def kernel_runs() -> bool:
         "the bf16 prefill attention runs on SDPA instead",
     )
     return built and bool(torch.ops.cann_cpu.causal_attention_supported())
+
+
+@functools.cache
+def takes_prefill() -> bool:
+    """The eager prefill's causal attention goes to the kernel: it runs here, and this CPU has no
+    AMX. On the one AMX host measured (an Intel Xeon) SDPA's CPU flash attention ran the bf16
+    2048-token 0.6B prefill in 1769 ms against 3744 with the kernel (BENCHMARKS.md, "twenty-fifth
+    pass"; likely its blocks on AMX tiles through oneDNN's brgemm, not profiled)."""
+    return not cpu_has_amx() and kernel_runs()
 
 
 def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -84,7 +93,7 @@ class AttentionKernel:
         self.calls = 0
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
-        if q.shape[2] > 1 and qualifies(q, k, v) and kernel_runs() and reference.is_causal_mask(mask):
+        if q.shape[2] > 1 and qualifies(q, k, v) and takes_prefill() and reference.is_causal_mask(mask):
             self.calls += 1
             return causal_attention(q, k, v, scale)
         return reference.attention(q, k, v, mask, scale)
