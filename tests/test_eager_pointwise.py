@@ -116,6 +116,30 @@ def test_over_reference_replaces_only_reference_entries_and_restores_them():
         pass
 
 
+def test_over_reference_reaches_the_calls_a_custom_op_hands_to_the_reference():
+    """decode_attention layered over the reference (as its default at 512 slots does): inside
+    over_reference its prefill calls (several query rows) reach the kernels' attention, not SDPA."""
+    from executor import custom_ops
+
+    name = custom_ops.layer("reference", ["decode_attention"], install=lambda op: None)
+    seen = []
+
+    def attention(q, k, v, mask, scale):
+        seen.append(q.shape[2])
+        return reference.attention(q, k, v, mask, scale)
+
+    q, k, v = torch.randn(1, 4, 6, 64), torch.randn(1, 2, 6, 64), torch.randn(1, 2, 6, 64)
+    mask = torch.ones(6, 6, dtype=torch.bool).triu_(1).view(1, 1, 6, 6)
+    with ops.using(name):
+        layered = ops.implementations()["attention"]
+        with ops.over_reference({"attention": attention}):
+            got = ops.attention(q, k, v, mask, 0.125)
+        ops.attention(q, k, v, mask, 0.125)  # outside: the op's own base again
+        assert ops.implementations()["attention"] == layered
+    assert seen == [6]
+    torch.testing.assert_close(got, reference.attention(q, k, v, mask, 0.125))
+
+
 def test_the_runner_prefill_runs_the_kernels(kernels, qwen3_ckpt, make_qwen_runner):
     runner = make_qwen_runner(qwen3_ckpt)
     runner.generate([[5, 6, 7, 8]], 2)

@@ -192,7 +192,9 @@ def layer(base: str, names: Sequence[str] | None, install: Callable[[CustomOp], 
         if op.replaces in replaced:
             raise CustomOpError(f"custom ops {replaced[op.replaces]} and {name} both replace {op.replaces}")
         install(op)
-        table[op.replaces] = op.entry(table[op.replaces])
+        fn = op.entry(table[op.replaces])
+        fn.layered_over = (table[op.replaces], op.entry)  # executor.ops.over_reference re-layers it
+        table[op.replaces] = fn
         replaced[op.replaces] = name
     layered = "+".join([base, *names])
     ops.register(layered, table)

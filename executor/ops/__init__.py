@@ -92,13 +92,23 @@ def using(name: str) -> Iterator[None]:
 def over_reference(fns: dict[str, Callable]) -> Iterator[None]:
     """For a `with` block, run `fns` (op -> function) in place of the active table's entries that
     are still the reference's own functions; an entry a table replaced (NPU, a custom op) stays.
+    A custom op layered over the reference's entry (executor.custom_ops.layer) is layered over
+    `fns`' instead, so the calls it hands to its base get them too: decode_attention's prefill
+    calls reached SDPA, not the bf16 flash kernel, once the op was chosen by default at 512 slots.
     For the eager CPU kernels of executor.backends, which compute the reference in fewer passes."""
     unknown = set(fns) - set(OP_NAMES)
     if unknown:
         raise ValueError(f"unknown ops {sorted(unknown)}; known: {', '.join(OP_NAMES)}")
     reference_fns = _TABLES["reference"]
-    replaced = {name: _active[name] for name in fns if _active[name] is reference_fns[name]}
-    _active.update({name: fns[name] for name in replaced})
+    replaced, instead = {}, {}
+    for name, fn in fns.items():
+        active_fn = _active[name]
+        base, relayer = getattr(active_fn, "layered_over", (None, None))
+        if active_fn is reference_fns[name]:
+            replaced[name], instead[name] = active_fn, fn
+        elif base is reference_fns[name]:
+            replaced[name], instead[name] = active_fn, relayer(fn)
+    _active.update(instead)
     try:
         yield
     finally:
