@@ -82,7 +82,9 @@ def test_swiglu_and_rotary_match_the_reference(kernels, dtype):
     q, k = heads(dtype=dtype)
     cos, sin = rope_cos_sin(torch.arange(37).expand(2, 37), 64, 1e4, dtype)  # (B, 1, S, D): broadcast over heads
     for t in (q.transpose(1, 2), k.transpose(1, 2)):  # (B, H, S, D) views
-        assert_like_reference(fns.rotary_mul(t, cos, sin), reference.rotary_mul(t, cos, sin), exact=True)
+        got, want = fns.rotary_mul(t, cos, sin), reference.rotary_mul(t, cos, sin)
+        assert_like_reference(got, want, exact=True)
+        assert got.stride() == want.stride() and not got.is_contiguous()  # x's dim order, as the reference's
     assert fns.calls == 3
 
 
