@@ -30,9 +30,9 @@ kernel every step. The (64, 151936) fp32 logits of a batch-64 decode step, conve
 took 15-20 ms in new pages against 1.4 ms in reused ones (BENCHMARKS.md "eleventh pass"); the
 batch-16 ones 1.3-5 ms. The same policy PyTorch's CPU inference guides get from jemalloc or
 tcmalloc; the price is that the process's resident memory stays near its peak, so the memory
-pre-flight gives the free pages back before it reads what is available (`release_freed_memory`). Left alone when
-the user set glibc's own malloc variables (MALLOC_*_, GLIBC_TUNABLES) or preloads another
-allocator, on a C library that is not glibc, and with `CANN_RECIPES_MALLOC_DEFAULTS=0`.
+pre-flight gives the free pages back before it reads what is available (`release_freed_memory`).
+Left alone when the user set glibc's own malloc variables (MALLOC_*_, GLIBC_TUNABLES) or preloads
+another allocator, on a C library that is not glibc, and with `CANN_RECIPES_MALLOC_DEFAULTS=0`.
 metrics.json records `malloc`.
 """
 
