@@ -1,5 +1,6 @@
-"""Decode GEMMs alone: the project's kernel (`cann_cpu::rows_linear`) vs oneDNN on packed weights
-(vs aten's linear where oneDNN cannot run the dtype natively: bf16 on an AVX2 CPU).
+"""Decode GEMMs alone: the project's kernel (`cann_cpu::rows_linear`, and in bf16 on a CPU with AMX
+its AMX loop `cann_cpu::amx_linear`) vs oneDNN on packed weights (vs aten's linear where oneDNN
+cannot run the dtype natively: bf16 on an AVX2 CPU).
 
 Why: a batched decode step is one pass over every projection with M = batch rows. This times that
 pass outside the model, on the projections of a named size as the loader merges them (qkv_proj,
@@ -43,6 +44,11 @@ def projections(arch: ModelArch) -> list[tuple[int, int]]:
 def kernel_pass(xs: dict, weights: list[torch.Tensor], packed: list[torch.Tensor]) -> None:
     for w, p in zip(weights, packed):
         torch.ops.cann_cpu.rows_linear(xs[w.shape[1]], p, None)
+
+
+def amx_pass(xs: dict, weights: list[torch.Tensor], packed: list[torch.Tensor]) -> None:
+    for w, p in zip(weights, packed):
+        torch.ops.cann_cpu.amx_linear(xs[w.shape[1]], p, None)
 
 
 def aten_pass(xs: dict, weights: list[torch.Tensor], _packed: list[torch.Tensor]) -> None:
@@ -105,6 +111,9 @@ def main(argv=None) -> int:
     for rows in [int(r) for r in args.rows.split(",")]:
         xs = {k: torch.randn(rows, k).to(dtype) for k in {k for _, k in shapes}}
         methods = {"kernel": (kernel_pass, [packed_linear.pack_rows(w) for w in weights])}
+        if dtype == torch.bfloat16 and rows > 1 and packed_linear.amx_runs():  # the AVX-512 loop's packing
+            blocks = methods["kernel"][1] if cols == 64 else [packed_linear.pack_rows(w, 64) for w in weights]
+            methods["amx"] = (amx_pass, blocks)
         if rows <= eager_linear.GEMV_MAX_ROWS and eager_linear.gemv_runs(dtype):  # eager's few-row kernel
             methods["gemv"] = (gemv_pass, [])
         if packed_linear.supported(dtype):

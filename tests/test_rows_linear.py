@@ -162,8 +162,9 @@ def test_packed_linear_runs_the_kernel_where_it_fits_and_onednn_elsewhere(dtype)
     ragged = (torch.randn(200, 128) * 0.1).to(dtype)  # 200 = 12.5 blocks of 16
     cols = packed_linear.kernel_cols(dtype)
     kernel_shape = (4, 64, 64, 2) if cols == 64 and dtype == torch.bfloat16 else (256 // cols, 128, cols)
-    above = packed_linear.max_kernel_rows(dtype) + 1
-    few = packed_linear.max_kernel_rows(dtype) >= 4  # not on a CPU with AMX: oneDNN takes every row count
+    amx = dtype == torch.bfloat16 and packed_linear.amx_runs()  # the AMX loop, on the same packed layout
+    above = (packed_linear.AMX_MAX_ROWS if amx else packed_linear.max_kernel_rows(dtype)) + 1
+    few = amx or packed_linear.max_kernel_rows(dtype) >= 4  # fp32 on a CPU with AMX: oneDNN takes every row count
     for w, rows, kernel in [(fits, 4, few), (ragged, 4, False), (fits.clone(), above, False)]:
         xr = torch.randn(rows, 128).to(dtype)
         b = torch.randn(w.shape[0]).to(dtype)
@@ -239,9 +240,9 @@ def test_batched_graph_decode_on_the_kernel_agrees_with_eager(tmp_path, make_qwe
     got, want = graph.generate(prompts, 3), eager.generate(prompts, 3)
     gate_up = graph.model.layers[0].mlp.gate_up_proj.weight
     kept = packed_linear._packed.kept(gate_up)
-    if packed_linear.kernel_fits(gate_up, 2):
-        assert kept.shape == packed_linear.pack_rows(gate_up).shape  # the kernel ran
-    else:  # a CPU with AMX: oneDNN's packed copy ran the product
+    if packed_linear.kernel_fits(gate_up, 2) or packed_linear.amx_fits(gate_up, 2):
+        assert kept.shape == packed_linear.pack_rows(gate_up).shape  # the kernel (or its AMX loop) ran
+    else:  # fp32 on a CPU with AMX: oneDNN's packed copy ran the product
         assert packed_linear.max_kernel_rows(dtype) < 2 and kept is not None and kept.dim() == 2
     if dtype == torch.float32:
         torch.testing.assert_close(got.last_logits, want.last_logits, rtol=1e-4, atol=1e-4)

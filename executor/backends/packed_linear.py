@@ -20,6 +20,12 @@ bytes of fp32; past its rows such a call stays with aten. The kernel is compiled
 like a custom op's kernel; where it cannot be built (no compiler) one line says so and oneDNN (or
 aten) runs the call.
 
+On a CPU with AMX (an Intel Xeon) the bf16 calls of 2-64 rows go to the kernel's AMX loop instead
+(`cann_cpu::amx_linear`, csrc/amx_linear.cpp, on the same packed layout): there oneDNN's AMX
+products read the 0.6B projections at 0.63-0.69 of a sum's rate at 4-16 rows and the AVX-512 loop
+at 0.37-0.52, the AMX loop at 0.86-0.91 (BENCHMARKS.md, "twenty-sixth pass"). fp32 stays with
+oneDNN there (`max_kernel_rows`).
+
 The packed copy is made on the first decode call from the live weight and kept next to it
 (executor.memo: dropped with the weight, remade if the weight is changed in place), so the compiled
 graph keeps taking the model's own parameters and the eager prefill keeps using them. The cost
@@ -65,6 +71,12 @@ MAX_KERNEL_ROWS = 16
 MAX_AVX2_KERNEL_ROWS = 64
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 KERNEL_SOURCE = Path(__file__).resolve().parent / "csrc" / "rows_linear.cpp"
+# The AMX loop (csrc/amx_linear.cpp, its own library: built only on a CPU with AMX) takes bf16
+# products of 2 to AMX_MAX_ROWS rows on the same packed layout as the AVX-512 bf16 loop, whole
+# 64-column blocks and K a multiple of its 32-value chunks.
+AMX_SOURCE = Path(__file__).resolve().parent / "csrc" / "amx_linear.cpp"
+AMX_MAX_ROWS = 64
+AMX_CHUNK = 32
 
 _packed: TensorMemo[torch.Tensor] = TensorMemo()  # weight -> its packed copy, per rows hint (or "rows")
 
@@ -86,6 +98,8 @@ _lib = torch.library.Library("cann_cpu", "DEF")
 _lib.define("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _lib.define("rows_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")  # kernel: csrc/rows_linear.cpp
 _lib.define("rows_supported(ScalarType dtype, int cols) -> bool")
+_lib.define("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")  # kernel: csrc/amx_linear.cpp
+_lib.define("amx_supported() -> bool")
 
 
 @functools.cache
@@ -100,6 +114,35 @@ def _kernel_library() -> bool:
         "packed_linear",
         "batched decode GEMMs run on oneDNN instead",
     )
+
+
+@functools.cache
+def amx_runs() -> bool:
+    """The AMX loop is built and loaded, and this CPU (and its kernel) lets the process use AMX-BF16
+    tiles. Asked first on a CPU with AMX only: elsewhere the library is never built."""
+    return (
+        cpu_has_amx()
+        and load_optional_kernel(
+            "cann_cpu::amx_linear",
+            "cann_cpu_amx_linear",
+            AMX_SOURCE,
+            "packed_linear",
+            "batched bf16 decode GEMMs run on oneDNN instead",
+        )
+        and bool(torch.ops.cann_cpu.amx_supported())
+    )
+
+
+def amx_fits(weight: torch.Tensor, rows: int) -> bool:
+    """The AMX loop runs this product: bf16, whole 64-column blocks, K in whole chunks, 2 to
+    AMX_MAX_ROWS rows, a CPU with AMX. A single row stays with the GEMV kernel, which read the 0.6B
+    weights at the same rate (0.92-0.93 of a sum's) with less per call."""
+    return _amx_fits(*weight.shape, weight.dtype, rows)
+
+
+@functools.cache  # asked on every call
+def _amx_fits(n: int, k: int, dtype: torch.dtype, rows: int) -> bool:
+    return dtype == torch.bfloat16 and 1 < rows <= AMX_MAX_ROWS and n % 64 == 0 and k % AMX_CHUNK == 0 and amx_runs()
 
 
 @functools.cache  # asked on every call, twice: the CPU does not change
@@ -170,13 +213,17 @@ def pack_rows(weight: torch.Tensor, cols: int | None = None) -> torch.Tensor:
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`linear(x, weight, bias)` on `weight` packed once: the kernel where it fits, else oneDNN
-    (packed for x's row count), or aten where oneDNN would emulate the dtype (bf16 on AVX2)."""
+    """`linear(x, weight, bias)` on `weight` packed once: the AMX loop or the kernel where they fit,
+    else oneDNN (packed for x's row count), or aten where oneDNN would emulate the dtype (bf16 on AVX2)."""
     rows = x.numel() // x.shape[-1]
-    if kernel_fits(weight, rows):
-        packed = _packed.get(weight, lambda: pack_rows(weight), "rows")
-        if bias is not None and bias.dtype != torch.float32:  # the kernel adds it in fp32: convert once
+    amx = amx_fits(weight, rows)
+    if amx or kernel_fits(weight, rows):
+        # one packed copy for both loops: on AMX the AVX-512 bf16 layout, (N/64, K/2, 64, 2)
+        packed = _packed.get(weight, lambda: pack_rows(weight, 64 if amx else None), "rows")
+        if bias is not None and bias.dtype != torch.float32:  # the kernels add it in fp32: convert once
             bias = _packed.get(bias, lambda: bias.detach().float(), "fp32")
+        if amx:
+            return torch.ops.cann_cpu.amx_linear.default(x, packed, bias)
         return torch.ops.cann_cpu.rows_linear.default(x, packed, bias)  # .default: ~1 us less per call than the packet
     if not supported(weight.dtype):
         return torch.nn.functional.linear(x, weight, bias)
@@ -190,6 +237,11 @@ _lib.impl("packed_linear", packed_linear, "CPU")
 @torch.library.register_fake("cann_cpu::packed_linear")
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.register_fake("cann_cpu::amx_linear")
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], packed.shape[0] * packed.shape[2]))
 
 
 @torch.library.register_fake("cann_cpu::rows_linear")

@@ -1,0 +1,198 @@
+// CPU kernel of cann_cpu::amx_linear (schema, packing and use: executor/backends/packed_linear.py).
+//
+// y = x W^T + b in bf16 for a few rows of x (a batched decode step: M = batch) with Intel AMX tiles,
+// on the weight packed as rows_linear's AVX-512 bf16 loop packs it: (N/64, K/2, 64, 2), for each
+// block of 64 output columns the K/2 pairs of consecutive k values. That is the operand layout of
+// AMX's tdpbf16ps as well: a B tile is 16 k pairs (rows) by 16 columns of 2 values (64 bytes), so
+// one 64-column block is four B tiles side by side, loaded with a row stride of 256 bytes, and no
+// other copy of the weight is kept.
+//
+// Why a kernel: at 2-64 rows a decode GEMM is a stream over the weight. On the AMX host measured
+// (2 vCPUs of an Intel Xeon, BENCHMARKS.md "twenty-sixth pass") oneDNN's AMX products on their own
+// packed weights read the Qwen3-0.6B projections at 0.63-0.69 of a plain fp32 sum's rate at 4-16
+// rows and rows_linear's AVX-512 loop (tuned on AMD Zen 4) at 0.37-0.52; this loop reads them at
+// 0.86-0.91. An AMX tile product (16 x 16 x 32 multiply-adds) is so fast next to the memory that
+// the loop is a stream: per 32 k values it loads one A tile (up to 16 rows of x, from cache) and the
+// block's four B tiles (4 KB of weight), and asks for the weight 4 KB ahead of the first tile of rows
+// (into L1: without it the same pass read 0.83-0.85; the next block into L2 spread over the block,
+// rows_linear's scheme, read 0.78-0.80). With more than 16 rows the block is run once per tile of
+// rows, its later tiles reading it from L2.
+//
+// AMX needs, besides the CPU feature, the kernel's permission per process (arch_prctl
+// ARCH_REQ_XCOMP_PERM for the tile data, asked once; oneDNN asks the same) and a tile configuration
+// per thread (ldtilecfg), released when the thread's share is done. The vector code is compiled for
+// AMX per function (target attribute), so the library builds with the project's usual flags on any
+// x86-64 host with GCC 11+ (or clang 12+); amx_supported() says whether this CPU and kernel run it.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__linux__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define CANN_AMX 1
+#endif
+
+namespace {
+
+constexpr int64_t kCols = 64;     // output columns per packed block: four B tiles of 16
+constexpr int64_t kChunk = 32;    // k values per tile product (16 pairs)
+constexpr int64_t kTileRows = 16; // rows of x per A tile
+constexpr int kAhead = 4096;      // bytes of weight asked for ahead of the first tile of rows: one chunk
+
+#ifdef CANN_AMX
+#define CANN_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// The layout ldtilecfg reads: palette 1, then per tile register its bytes per row and its rows.
+struct TileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Linux hands out AMX's tile state only to a process that asked for it (ARCH_REQ_XCOMP_PERM, 0x1023,
+// for XFEATURE_XTILEDATA, 18); without it the first tile instruction faults.
+bool amx_permitted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+
+// tmm0-3: the sums, `rows` x 16 fp32 each (the block's four 16-column groups); tmm4: `rows` rows of
+// x, 32 bf16 each; tmm5-7: B tiles, 16 k pairs x 16 columns x 2.
+CANN_AMX_TARGET void configure(int rows) {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  for (int t = 0; t < 5; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(rows);
+    cfg.colsb[t] = 64;
+  }
+  for (int t = 5; t < 8; ++t) {
+    cfg.rows[t] = kTileRows;
+    cfg.colsb[t] = 64;
+  }
+  // GCC's _tile_loadconfig is an asm statement that does not say it reads memory: without this
+  // barrier GCC 12 dropped the stores above as dead, and ldtilecfg faulted on a zeroed config.
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+CANN_AMX_TARGET void release() { _tile_release(); }
+
+// The configured rows of x (row stride ldx elements, K a multiple of 32) times one packed block w
+// (K/2 pairs x 64 columns x 2), into c (rows x 64 fp32, row stride 64). `ahead` (bytes, 0: none):
+// each chunk asks for the weight that far ahead into L1.
+CANN_AMX_TARGET void amx_block(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* w, float* c, int ahead) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+    const uint16_t* wk = w + k0 * kCols;  // pair k0 / 2, 128 values per pair
+    if (ahead) {
+      const char* pf = reinterpret_cast<const char*>(wk) + ahead;
+      for (int line = 0; line < 64; ++line) _mm_prefetch(pf + line * 64, _MM_HINT_T0);
+    }
+    _tile_loadd(4, x + k0, ldx * 2);
+    _tile_loadd(5, wk, 256);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, wk + 32, 256);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(7, wk + 64, 256);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, wk + 96, 256);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, c, 256);
+  _tile_stored(1, c + 16, 256);
+  _tile_stored(2, c + 32, 256);
+  _tile_stored(3, c + 48, 256);
+}
+
+// `rows` rows of a block's fp32 sums (plus the block's fp32 bias) rounded to bf16 into y (row stride
+// ldy): vcvtneps2bf16 rounds to nearest even as aten does.
+CANN_AMX_TARGET void store_rows(const float* c, int rows, const float* bias, uint16_t* y, int64_t ldy) {
+  for (int m = 0; m < rows; ++m)
+    for (int j = 0; j < 4; ++j) {
+      __m512 v = _mm512_loadu_ps(c + m * kCols + j * 16);
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j * 16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy + j * 16), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+// Every 64-column block (in parallel) times every tile of rows: M rows split into balanced tiles of
+// at most 16 (20 rows: 10 + 10), so a thread configures its tiles at most twice per call.
+void run_blocks(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t NB, const float* bias,
+                uint16_t* y) {
+  const int64_t N = NB * kCols, block = K * kCols, n_tiles = (M + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float c[kTileRows * kCols];
+    int configured = 0;
+    for (int64_t nb = begin; nb < end; ++nb) {
+      for (int64_t m0 = 0, t = 0, mb = 0; m0 < M; m0 += mb, ++t) {
+        mb = M / n_tiles + (t < M % n_tiles);
+        if (mb != configured) {
+          configure(static_cast<int>(mb));
+          configured = static_cast<int>(mb);
+        }
+        // the weight's last block asks for nothing ahead: its last chunk's 4 KB would run past the weight
+        const bool ahead = t == 0 && (nb + 1 < NB);
+        amx_block(x + m0 * K, K, K, w + nb * block, c, ahead ? kAhead : 0);
+        store_rows(c, static_cast<int>(mb), bias ? bias + nb * kCols : nullptr, y + m0 * N + nb * kCols, N);
+      }
+    }
+    if (configured) release();
+  });
+}
+#endif
+
+// This build has the AMX loop, the CPU has AMX-BF16 and the kernel lets this process use the tiles.
+bool amx_supported() {
+#ifdef CANN_AMX
+  return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && amx_permitted();
+#else
+  return false;
+#endif
+}
+
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16,
+              "amx_linear: x and the packed weight must be bf16");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kCols && packed.size(3) == 2 && packed.is_contiguous(),
+              "amx_linear: the weight must be packed as (N/64, K/2, 64, 2)");
+  const int64_t NB = packed.size(0), K = 2 * packed.size(1), N = NB * kCols;
+  TORCH_CHECK(K % kChunk == 0, "amx_linear: K (", K, ") must be a multiple of 32");
+  TORCH_CHECK(x.size(-1) == K, "amx_linear: x has ", x.size(-1), " columns, the weight ", K);
+  TORCH_CHECK(amx_supported(), "amx_linear: this CPU (or kernel, or build) does not run AMX-BF16");
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  at::Tensor fbias;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "amx_linear: bias has ", bias->numel(), " values, the weight ", N, " rows");
+    fbias = bias->to(at::kFloat).contiguous();
+  }
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options().memory_format(at::MemoryFormat::Contiguous));
+#ifdef CANN_AMX
+  if (x2.size(0) > 0)
+    run_blocks(reinterpret_cast<const uint16_t*>(x2.data_ptr()), x2.size(0), K,
+               reinterpret_cast<const uint16_t*>(packed.data_ptr()), NB, fbias.defined() ? fbias.data_ptr<float>() : nullptr,
+               reinterpret_cast<uint16_t*>(y.data_ptr()));
+#endif
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(cann_cpu, CPU, m) { m.impl("amx_linear", amx_linear); }
+TORCH_LIBRARY_IMPL(cann_cpu, CompositeExplicitAutograd, m) { m.impl("amx_supported", amx_supported); }

@@ -1,0 +1,117 @@
+"""cann_cpu::amx_linear: batched bf16 decode GEMMs on Intel AMX tiles (csrc/amx_linear.cpp), against
+fp32 `linear` on the same values, and how executor.backends.packed_linear routes to it.
+
+The loop runs only on a CPU with AMX-BF16 (an Intel Xeon, Sapphire Rapids or later); there its
+tests run, elsewhere they skip, and the one test that runs everywhere checks that such a host never
+builds the library.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from executor.backends import packed_linear
+from executor.custom_ops import _build
+from tests.no_compiler import run_without_compiler
+
+needs_amx = pytest.mark.skipif(
+    not packed_linear.amx_runs(), reason="no AMX-BF16 on this CPU (or its loop could not be built)"
+)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+
+
+def test_a_cpu_without_amx_never_builds_the_loop():
+    if _build.cpu_has_amx():
+        pytest.skip("this CPU has AMX")
+    w = torch.zeros(256, 128, dtype=torch.bfloat16)
+    assert not packed_linear.amx_fits(w, 4)
+    assert "cann_cpu_amx_linear" not in _build._loaded
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [2, 5, 16, 17, 31, 64])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_amx_loop_matches_fp32_linear(rows, bias):
+    """Row counts of one tile, a partial one, two balanced tiles of different heights (17 = 9 + 8,
+    31 = 16 + 15: the tiles are configured twice in one call) and four full ones; five 64-column
+    blocks shared by the threads; K = 160, five 32-value chunks."""
+    torch.manual_seed(rows)
+    w = (torch.randn(320, 160) * 0.1).to(torch.bfloat16)
+    x = torch.randn(rows, 160).to(torch.bfloat16)
+    b = torch.randn(320).to(torch.bfloat16) if bias else None
+    y = torch.ops.cann_cpu.amx_linear(x, packed_linear.pack_rows(w, 64), b)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 320)
+    # fp32 sums rounded once to bf16 (its half-ulp)
+    torch.testing.assert_close(y.float(), reference(x, w, b), rtol=8e-3, atol=1e-2)
+
+
+@needs_amx
+def test_amx_loop_keeps_x_leading_dims_and_takes_a_strided_x():
+    torch.manual_seed(0)
+    w = (torch.randn(128, 64) * 0.1).to(torch.bfloat16)
+    x = torch.randn(3, 1, 128).to(torch.bfloat16)[..., ::2]  # a strided view: the kernel copies it
+    y = torch.ops.cann_cpu.amx_linear(x, packed_linear.pack_rows(w, 64), None)
+    assert y.shape == (3, 1, 128)
+    torch.testing.assert_close(y.float(), reference(x, w, None), rtol=8e-3, atol=1e-2)
+
+
+@needs_amx
+def test_amx_loop_refuses_what_it_cannot_run():
+    w = (torch.randn(128, 48) * 0.1).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.cann_cpu.amx_linear(torch.randn(2, 48).to(torch.bfloat16), packed_linear.pack_rows(w, 64), None)
+    w = (torch.randn(128, 64) * 0.1).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"packed as \(N/64, K/2, 64, 2\)"):
+        torch.ops.cann_cpu.amx_linear(torch.randn(2, 64).to(torch.bfloat16), w, None)
+    with pytest.raises(RuntimeError, match="must be bf16"):
+        torch.ops.cann_cpu.amx_linear(torch.randn(2, 64), packed_linear.pack_rows(w, 64), None)
+    with pytest.raises(RuntimeError, match="x has 32 columns, the weight 64"):
+        torch.ops.cann_cpu.amx_linear(torch.randn(2, 32).to(torch.bfloat16), packed_linear.pack_rows(w, 64), None)
+
+
+@needs_amx
+def test_packed_linear_sends_2_to_64_bf16_rows_to_the_amx_loop():
+    """2-64 rows of a bf16 weight in whole blocks and chunks: the AMX loop on the AVX-512 bf16
+    packing (the memo keeps that copy, and the result is the loop's own); 65 rows, a K of 48 (not
+    whole chunks) or 200 columns (not whole blocks): oneDNN's packed copy; fp32: never the loop."""
+    torch.manual_seed(0)
+    for n, k, rows, amx in [
+        (256, 128, 2, True),
+        (256, 128, 64, True),
+        (256, 128, 65, False),
+        (256, 48, 4, False),
+        (200, 128, 4, False),
+    ]:
+        w = (torch.randn(n, k) * 0.1).to(torch.bfloat16)
+        x = torch.randn(rows, k).to(torch.bfloat16)
+        b = torch.randn(n).to(torch.bfloat16)
+        y = packed_linear.packed_linear(x, w, b)
+        torch.testing.assert_close(y.float(), reference(x, w, b), rtol=2e-2, atol=2e-2)
+        kept = packed_linear._packed.kept(w)
+        assert (kept.dim() == 4) == amx, (n, k, rows, kept.shape)
+        if amx:
+            assert torch.equal(y, torch.ops.cann_cpu.amx_linear(x, kept, b))
+    assert not packed_linear.amx_fits(torch.zeros(256, 128), 4)  # fp32
+    assert not packed_linear.amx_fits(torch.zeros(256, 128, dtype=torch.bfloat16), 1)  # a single row: GEMV
+
+
+@needs_amx
+def test_no_compiler_for_the_amx_loop_is_one_line_and_onednn_runs_the_call(tmp_path):
+    code = (
+        "import torch\n"
+        "from executor.backends import packed_linear as p\n"
+        "w = torch.randn(256, 128).to(torch.bfloat16)\n"
+        "x = torch.randn(4, 128).to(torch.bfloat16)\n"
+        "for _ in range(3):\n"
+        "    y = p.packed_linear(x, w, None)\n"
+        "want = torch.nn.functional.linear(x.float(), w.float())\n"
+        "torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2)\n"
+        "print('kept', p._packed.kept(w).dim())\n"
+    )
+    line, stdout = run_without_compiler(tmp_path, code, "packed_linear")
+    assert "cann_cpu::amx_linear" in line and "run on oneDNN instead" in line
+    assert stdout.rstrip().endswith("kept 2")  # oneDNN's packed copy
