@@ -35,15 +35,17 @@ def test_a_cpu_without_amx_never_builds_the_loop():
 @needs_amx
 @pytest.mark.parametrize("rows", [2, 5, 16, 17, 31, 64])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_amx_loop_matches_fp32_linear(rows, bias):
+@pytest.mark.parametrize("layout", ["packed", "stored"])
+def test_amx_loop_matches_fp32_linear(rows, bias, layout):
     """Row counts of one tile, a partial one, two balanced tiles of different heights (17 = 9 + 8,
     31 = 16 + 15: the tiles are configured twice in one call) and four full ones; five 64-column
-    blocks shared by the threads; K = 160, five 32-value chunks."""
+    blocks shared by the threads; K = 160, five 32-value chunks. On the packed weight (the weight
+    the B operand) and on the weight as stored (the A operand, x transposed)."""
     torch.manual_seed(rows)
     w = (torch.randn(320, 160) * 0.1).to(torch.bfloat16)
     x = torch.randn(rows, 160).to(torch.bfloat16)
     b = torch.randn(320).to(torch.bfloat16) if bias else None
-    y = torch.ops.cann_cpu.amx_linear(x, packed_linear.pack_rows(w, 64), b)
+    y = torch.ops.cann_cpu.amx_linear(x, packed_linear.pack_rows(w, 64) if layout == "packed" else w, b)
     assert y.dtype == torch.bfloat16 and y.shape == (rows, 320)
     # fp32 sums rounded once to bf16 (its half-ulp)
     torch.testing.assert_close(y.float(), reference(x, w, b), rtol=8e-3, atol=1e-2)
@@ -60,13 +62,28 @@ def test_amx_loop_keeps_x_leading_dims_and_takes_a_strided_x():
 
 
 @needs_amx
+def test_a_stored_weight_may_have_rows_further_apart_than_k():
+    """A weight as stored that is a column slice of a wider one (rows 256 values apart, K = 160)."""
+    torch.manual_seed(0)
+    wide = (torch.randn(128, 256) * 0.1).to(torch.bfloat16)
+    w = wide[:, :160]
+    x = torch.randn(6, 160).to(torch.bfloat16)
+    y = torch.ops.cann_cpu.amx_linear(x, w, None)
+    torch.testing.assert_close(y.float(), reference(x, w, None), rtol=8e-3, atol=1e-2)
+
+
+@needs_amx
 def test_amx_loop_refuses_what_it_cannot_run():
     w = (torch.randn(128, 48) * 0.1).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         torch.ops.cann_cpu.amx_linear(torch.randn(2, 48).to(torch.bfloat16), packed_linear.pack_rows(w, 64), None)
     w = (torch.randn(128, 64) * 0.1).to(torch.bfloat16)
-    with pytest.raises(RuntimeError, match=r"packed as \(N/64, K/2, 64, 2\)"):
-        torch.ops.cann_cpu.amx_linear(torch.randn(2, 64).to(torch.bfloat16), w, None)
+    with pytest.raises(RuntimeError, match=r"packed as \(N/64, K/2, 64, 2\), or as stored"):
+        torch.ops.cann_cpu.amx_linear(torch.randn(2, 64).to(torch.bfloat16), packed_linear.pack_rows(w, 16), None)
+    with pytest.raises(RuntimeError, match="N a multiple of 64"):
+        torch.ops.cann_cpu.amx_linear(torch.randn(2, 64).to(torch.bfloat16), w[:100], None)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        torch.ops.cann_cpu.amx_linear(torch.randn(2, 128).to(torch.bfloat16), w.t(), None)
     with pytest.raises(RuntimeError, match="must be bf16"):
         torch.ops.cann_cpu.amx_linear(torch.randn(2, 64), packed_linear.pack_rows(w, 64), None)
     with pytest.raises(RuntimeError, match="x has 32 columns, the weight 64"):
@@ -115,3 +132,30 @@ def test_no_compiler_for_the_amx_loop_is_one_line_and_onednn_runs_the_call(tmp_p
     line, stdout = run_without_compiler(tmp_path, code, "packed_linear")
     assert "cann_cpu::amx_linear" in line and "run on oneDNN instead" in line
     assert stdout.rstrip().endswith("kept 2")  # oneDNN's packed copy
+
+
+@needs_amx
+def test_batched_eager_bf16_decode_runs_the_amx_loop_on_the_stored_weights(tmp_path, make_qwen_runner, monkeypatch):
+    """A Qwen2 checkpoint whose gate_up projection is large enough for the kernels (2 x 8192 x 64):
+    the eager run at batch 2 in bf16 sends its rows (prefill and decode) to the AMX loop, on the
+    weight as stored (no packed copy is kept), and agrees with the same run on aten's linear: the
+    same tokens, and the last logits by cosine (the project's bf16 standard). The reference is bf16,
+    not fp32: the two runs then share everything but the product."""
+    import tests.checkpoints as ckpt
+
+    inter = packed_linear.MIN_WEIGHT_NUMEL // (2 * ckpt.QWEN2_CONFIG["hidden_size"])
+    path = ckpt.make_qwen2_checkpoint(tmp_path / "qwen2", intermediate_size=inter, init_std=0.05)
+    prompts = [[7, 42, 133, 250, 9, 311, 77, 400, 15], [3, 14, 15, 92, 65, 35, 89, 79, 32]]
+    runner = make_qwen_runner(
+        path, "scheduler_config.batch_size=2", "model_config.exe_mode=eager", "model_config.dtype=bfloat16"
+    )
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = runner.generate(prompts, 3)
+    calls = [e for e in prof.events() if e.name == "cann_cpu::amx_linear"]
+    assert len(calls) == 2 * 3  # gate_up in both layers: the prefill (18 rows) and 2 decode steps
+    assert packed_linear._packed.kept(runner.model.layers[0].mlp.gate_up_proj.weight) is None
+    monkeypatch.setattr(packed_linear, "amx_fits", lambda weight, rows: False)
+    want = runner.generate(prompts, 3)
+    assert got.token_ids == want.token_ids
+    cos = torch.nn.functional.cosine_similarity(got.last_logits.float(), want.last_logits.float(), dim=-1)
+    assert cos.min().item() > 0.99, cos

@@ -1,6 +1,7 @@
 """Large linears that run eagerly on CPU (executor.backends.eager_linear): fp32 GEMMs go through
 oneDNN, products of 1-4 rows in bf16 and fp32 through the `cann_cpu::gemv` kernel (AVX-512 or
-AVX2), bf16 GEMMs through `cann_cpu::rows_linear` where oneDNN would emulate bf16.
+AVX2), bf16 GEMMs through `cann_cpu::rows_linear` where oneDNN would emulate bf16, and 2-64 bf16
+rows through `cann_cpu::amx_linear` on a CPU with AMX.
 
 The tiny test models' weights are below the size where the switch applies, so a checkpoint with
 one large projection is built here; against transformers (aten's sgemm) the prefill logits and the
@@ -54,21 +55,27 @@ def test_autograd_stays_with_aten():
 
 
 def test_many_bf16_rows_go_to_the_rows_kernel_only_where_onednn_would_emulate_bf16():
-    """Where oneDNN runs bf16 natively, aten's linear (which calls it) keeps them; where it would
-    emulate bf16 (an AVX2 host), the rows kernel takes a weight of whole 16-row blocks as stored."""
+    """Where oneDNN runs bf16 natively, aten's linear (which calls it) keeps them, except on a CPU
+    with AMX, where the AMX loop takes up to 64 rows of a weight of whole 64-row blocks as stored;
+    where oneDNN would emulate bf16 (an AVX2 host), the rows kernel takes a weight of whole 16-row
+    blocks as stored."""
     torch.manual_seed(0)
     big = torch.nn.Linear(256, LARGE).to(torch.bfloat16)
     x = torch.randn(8, 256).to(torch.bfloat16)
     mode = LinearKernel()
     with torch.no_grad():
         got = mode.linear(x, big.weight, big.bias)
-        mode.linear(x, big.weight[:-8], big.bias[:-8])  # N not a multiple of 16: aten
+        mode.linear(x, big.weight[:-8], big.bias[:-8])  # N not a multiple of 16 (nor 64): aten
+        many = mode.linear(torch.randn(65, 256).to(torch.bfloat16), big.weight, big.bias)  # past the AMX loop
     want = F.linear(x.double(), big.weight.double(), big.bias.double())
     takes = not packed_linear.supported(torch.bfloat16) and packed_linear.kernel_cols(torch.bfloat16) == 16
     plain = eager_linear.rows_run_plain(torch.bfloat16)
+    amx = packed_linear.amx_runs()
     assert plain == (takes and packed_linear.kernel_runs(torch.bfloat16))
-    assert (mode.onednn_calls, mode.gemv_calls, mode.rows_calls) == (0, 0, int(plain))
+    assert not (plain and amx)
+    assert (mode.onednn_calls, mode.gemv_calls, mode.rows_calls, mode.amx_calls) == (0, 0, 2 * plain, int(amx))
     torch.testing.assert_close(got.double(), want, rtol=8e-3, atol=1e-2)
+    assert many.shape == (65, LARGE)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -113,6 +120,7 @@ def test_prefill_uses_onednn_and_matches_hf(wide_ckpt, make_qwen_runner):
         "onednn_calls": 2,
         "gemv_calls": 0,
         "rows_calls": 0,
+        "amx_calls": 0,
     }
 
 
@@ -137,7 +145,8 @@ def test_bf16_takes_the_kernels_and_small_models_keep_aten(wide_ckpt, qwen3_ckpt
     natively, to the rows kernel where it would emulate it (the prefill then matches HF's logits)."""
     runner = make_qwen_runner(wide_ckpt, "model_config.dtype=bfloat16")
     native = packed_linear.supported(torch.bfloat16)
-    assert runner.prefill_kernels.linear_kernel == ("gemv" if native else "gemv+rows_linear")
+    want_kernel = "gemv+amx_linear" if packed_linear.cpu_has_amx() else "gemv" if native else "gemv+rows_linear"
+    assert runner.prefill_kernels.linear_kernel == want_kernel
     if eager_linear.rows_run_plain(torch.bfloat16):
         first = runner.generate([PROMPT], 1).first_logits[0].float()
         want = hf_logits(ckpt.load_reference(wide_ckpt), PROMPT)[-1]  # fp32: bf16 is checked by cosine

@@ -73,6 +73,7 @@ class EagerKernels:
                 "onednn_calls": k.linears.onednn_calls,
                 "gemv_calls": k.linears.gemv_calls,
                 "rows_calls": k.linears.rows_calls,
+                "amx_calls": k.linears.amx_calls,
             },
             "prefill_attention": {
                 "kernel": eager_attention.KERNEL if k.attention.calls else "sdpa",

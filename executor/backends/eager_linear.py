@@ -22,6 +22,12 @@ streamed the 0.6B shape's bf16 weights at 15-19 GB/s where the machine reads ~33
 It is built on the first call that needs it; where it cannot be, one line says so and aten
 runs those calls.
 
+Why the AMX loop for 2-64 bf16 rows on a CPU with AMX (`cann_cpu::amx_linear` on the weight as
+stored, csrc/amx_linear.cpp): aten's linear reorders the weight for oneDNN on every call, and read
+the 0.6B projections at 0.41 of a sum's rate at 4-16 rows on the AMX host; the loop, with the
+weight as its A operand, read them at 0.73-0.74 (BENCHMARKS.md, "twenty-sixth pass"). The batched
+eager decode step is where such products come from.
+
 What runs through here: `ops.linear` during the runner's eager prefill and the eager backend's
 decode step on CPU (executor.backends.eager_kernels installs it over the op table). A compiled
 decode graph picks its own kernels (the GEMV lowering and `cann_cpu::packed_linear`).
@@ -140,13 +146,15 @@ def rows_run_plain(dtype: torch.dtype) -> bool:
 class LinearKernel:
     """`linear` for the op table: the GEMV kernel for 1-4 rows (gemv_max_rows) of a large CPU
     weight in bf16 or fp32, except a single fp32 row on a CPU with AMX (aten_takes_single_rows);
-    for more rows oneDNN in fp32, and in bf16 the rows kernel where oneDNN would emulate bf16; the
-    reference otherwise. The counts are what metrics.json reports."""
+    for more rows oneDNN in fp32, and in bf16 the AMX loop (2-64 rows, a CPU with AMX) or the rows
+    kernel where oneDNN would emulate bf16; the reference otherwise. The counts are what
+    metrics.json reports."""
 
     def __init__(self):
         self.onednn_calls = 0
         self.gemv_calls = 0
         self.rows_calls = 0
+        self.amx_calls = 0
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if _large(x, weight, bias):
@@ -156,6 +164,9 @@ class LinearKernel:
             if rows <= gemv_max_rows() and weight.stride(1) == 1 and gemv_runs(weight.dtype):
                 self.gemv_calls += 1
                 return torch.ops.cann_cpu.gemv.default(x, weight, bias)
+            if weight.stride(1) == 1 and packed_linear.amx_fits(weight, rows):
+                self.amx_calls += 1
+                return torch.ops.cann_cpu.amx_linear.default(x, weight, bias)
             if weight.dtype == torch.float32 and packed_linear.supported(torch.float32):
                 self.onednn_calls += 1
                 out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), weight, bias, "none", [], "")
@@ -168,8 +179,9 @@ class LinearKernel:
 
 def kernel_for(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str:
     """What a run's large linears get: "onednn" (fp32), "gemv" (bf16: its few-row products),
-    "gemv+rows_linear" (bf16 where oneDNN would emulate it: the rows kernel takes the others) or
-    "aten" (another device or dtype, or no weight large enough). Asking builds no kernel."""
+    "gemv+amx_linear" (bf16 on a CPU with AMX: the AMX loop takes 2-64 rows), "gemv+rows_linear"
+    (bf16 where oneDNN would emulate it: the rows kernel takes the others) or "aten" (another
+    device or dtype, or no weight large enough). Asking builds no kernel."""
     large = any(p.dim() == 2 and p.numel() >= packed_linear.MIN_WEIGHT_NUMEL for p in model.parameters())
     if device.type != "cpu" or not large:
         return "aten"
@@ -177,4 +189,6 @@ def kernel_for(model: torch.nn.Module, device: torch.device, dtype: torch.dtype)
         return "onednn"
     if dtype == torch.bfloat16 and not packed_linear.supported(dtype) and packed_linear.kernel_cols(dtype):
         return "gemv+rows_linear"
+    if dtype == torch.bfloat16 and cpu_has_amx():
+        return "gemv+amx_linear"
     return "gemv" if dtype in GEMV_DTYPES else "aten"

@@ -18,6 +18,13 @@
 // rows_linear's scheme, read 0.78-0.80). With more than 16 rows the block is run once per tile of
 // rows, its later tiles reading it from L2.
 //
+// The weight as stored, (N, K), is taken as well (the eager decode step, which keeps no packed copy):
+// then the weight is the A operand, 16 of its rows (64 bytes of k each, rows K apart) per tile, and
+// x is the B operand, transposed into k pairs once per call, so the tiles compute y^T and the store
+// transposes it back. On the same pass it read 0.73-0.74 of a sum's rate at 4-16 rows, aten's linear
+// (oneDNN, the weight reordered on every call) 0.41; asking for the 64 rows' next lines ahead cost
+// more than it gained (0.63-0.65).
+//
 // AMX needs, besides the CPU feature, the kernel's permission per process (arch_prctl
 // ARCH_REQ_XCOMP_PERM for the tile data, asked once; oneDNN asks the same) and a tile configuration
 // per thread (ldtilecfg), released when the thread's share is done. The vector code is compiled for
@@ -154,6 +161,95 @@ void run_blocks(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int6
     if (configured) release();
   });
 }
+
+// The stored layout's tiles: tmm0-3 the sums, 16 weight rows x `rows` fp32 each; tmm4: x^T, 16 k
+// pairs x `rows` x 2; tmm5-7: 16 weight rows x 32 k values.
+CANN_AMX_TARGET void configure_stored(int rows) {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  for (int t = 0; t < 5; ++t) {
+    cfg.rows[t] = kTileRows;
+    cfg.colsb[t] = static_cast<uint16_t>(rows * 4);
+  }
+  for (int t = 5; t < 8; ++t) {
+    cfg.rows[t] = kTileRows;
+    cfg.colsb[t] = 64;
+  }
+  asm volatile("" : : "r"(&cfg) : "memory");  // as in configure
+  _tile_loadconfig(&cfg);
+}
+
+// 64 weight rows as stored (ldw elements apart) times x^T (K/2 pairs of `rows` columns, xt) into
+// c (four 16 x 16 fp32 tiles: c[t][n][m] at t * 256 + n * 16 + m).
+CANN_AMX_TARGET void stored_block(const uint16_t* w, int64_t ldw, int64_t K, const uint32_t* xt, int rows, float* c) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t stride = ldw * 2;
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+    _tile_loadd(4, xt + (k0 / 2) * rows, rows * 4);
+    _tile_loadd(5, w + k0, stride);
+    _tile_dpbf16ps(0, 5, 4);
+    _tile_loadd(6, w + 16 * ldw + k0, stride);
+    _tile_dpbf16ps(1, 6, 4);
+    _tile_loadd(7, w + 32 * ldw + k0, stride);
+    _tile_dpbf16ps(2, 7, 4);
+    _tile_loadd(5, w + 48 * ldw + k0, stride);
+    _tile_dpbf16ps(3, 5, 4);
+  }
+  _tile_stored(0, c, 64);
+  _tile_stored(1, c + 256, 64);
+  _tile_stored(2, c + 512, 64);
+  _tile_stored(3, c + 768, 64);
+}
+
+// The block's sums back in y's orientation: row m's 64 values are column m of the four tiles (one
+// gather of 16 per tile), plus the bias, rounded to bf16.
+CANN_AMX_TARGET void store_transposed(const float* c, int rows, const float* bias, uint16_t* y, int64_t ldy) {
+  const __m512i column = _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(16));
+  for (int m = 0; m < rows; ++m)
+    for (int t = 0; t < 4; ++t) {
+      __m512 v = _mm512_i32gather_ps(column, c + t * 256 + m, 4);
+      if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + t * 16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ldy + t * 16), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+// run_blocks for the weight as stored: x^T in k pairs per tile of rows (tile t's pairs at m0 * K / 2:
+// pair kp of row m at kp * mb + m), then every 64-row block of the weight (in parallel) times every
+// tile of rows.
+void run_stored(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t ldw, int64_t NB, const float* bias,
+                uint16_t* y) {
+  const int64_t N = NB * kCols, n_tiles = (M + kTileRows - 1) / kTileRows;
+  std::vector<uint32_t> xt(M * K / 2);
+  for (int64_t m0 = 0, t = 0, mb = 0; m0 < M; m0 += mb, ++t) {
+    mb = M / n_tiles + (t < M % n_tiles);
+    uint32_t* dst = xt.data() + m0 * K / 2;
+    for (int64_t m = 0; m < mb; ++m) {
+      const auto* src = reinterpret_cast<const uint32_t*>(x + (m0 + m) * K);
+      for (int64_t kp = 0; kp < K / 2; ++kp) dst[kp * mb + m] = src[kp];
+    }
+  }
+  at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float c[4 * kTileRows * kTileRows];
+    int configured = 0;
+    for (int64_t nb = begin; nb < end; ++nb) {
+      for (int64_t m0 = 0, t = 0, mb = 0; m0 < M; m0 += mb, ++t) {
+        mb = M / n_tiles + (t < M % n_tiles);
+        if (mb != configured) {
+          configure_stored(static_cast<int>(mb));
+          configured = static_cast<int>(mb);
+        }
+        stored_block(w + nb * kCols * ldw, ldw, K, xt.data() + m0 * K / 2, static_cast<int>(mb), c);
+        store_transposed(c, static_cast<int>(mb), bias ? bias + nb * kCols : nullptr, y + m0 * N + nb * kCols, N);
+      }
+    }
+    if (configured) release();
+  });
+}
 #endif
 
 // This build has the AMX loop, the CPU has AMX-BF16 and the kernel lets this process use the tiles.
@@ -168,9 +264,13 @@ bool amx_supported() {
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16,
               "amx_linear: x and the packed weight must be bf16");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kCols && packed.size(3) == 2 && packed.is_contiguous(),
-              "amx_linear: the weight must be packed as (N/64, K/2, 64, 2)");
-  const int64_t NB = packed.size(0), K = 2 * packed.size(1), N = NB * kCols;
+  const bool stored = packed.dim() == 2;  // the weight as stored, (N, K)
+  TORCH_CHECK(stored || (packed.dim() == 4 && packed.size(2) == kCols && packed.size(3) == 2 && packed.is_contiguous()),
+              "amx_linear: the weight must be packed as (N/64, K/2, 64, 2), or as stored (N, K)");
+  TORCH_CHECK(!stored || (packed.stride(1) == 1 && packed.size(0) % kCols == 0),
+              "amx_linear: a weight as stored must be (N, K) with contiguous rows and N a multiple of 64");
+  const int64_t NB = packed.size(0) / (stored ? kCols : 1), K = stored ? packed.size(1) : 2 * packed.size(1);
+  const int64_t N = NB * kCols;
   TORCH_CHECK(K % kChunk == 0, "amx_linear: K (", K, ") must be a multiple of 32");
   TORCH_CHECK(x.size(-1) == K, "amx_linear: x has ", x.size(-1), " columns, the weight ", K);
   TORCH_CHECK(amx_supported(), "amx_linear: this CPU (or kernel, or build) does not run AMX-BF16");
@@ -184,10 +284,15 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   shape.back() = N;
   at::Tensor y = at::empty(shape, x.options().memory_format(at::MemoryFormat::Contiguous));
 #ifdef CANN_AMX
-  if (x2.size(0) > 0)
-    run_blocks(reinterpret_cast<const uint16_t*>(x2.data_ptr()), x2.size(0), K,
-               reinterpret_cast<const uint16_t*>(packed.data_ptr()), NB, fbias.defined() ? fbias.data_ptr<float>() : nullptr,
-               reinterpret_cast<uint16_t*>(y.data_ptr()));
+  const auto* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  const float* bp = fbias.defined() ? fbias.data_ptr<float>() : nullptr;
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  if (x2.size(0) > 0 && stored) {
+    run_stored(xp, x2.size(0), K, wp, packed.stride(0), NB, bp, yp);
+  } else if (x2.size(0) > 0) {
+    run_blocks(xp, x2.size(0), K, wp, NB, bp, yp);
+  }
 #endif
   return y;
 }
