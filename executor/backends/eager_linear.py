@@ -25,7 +25,7 @@ runs those calls.
 Why the AMX loop for 2-64 bf16 rows on a CPU with AMX (`cann_cpu::amx_linear` on the weight as
 stored, csrc/amx_linear.cpp): aten's linear reorders the weight for oneDNN on every call, and read
 the 0.6B projections at 0.41 of a sum's rate at 4-16 rows on the AMX host; the loop, with the
-weight as its A operand, read them at 0.73-0.74 (BENCHMARKS.md, "twenty-sixth pass"). The batched
+weight as its A operand, read them at 0.73-0.82 (BENCHMARKS.md, "twenty-sixth pass"). The batched
 eager decode step is where such products come from.
 
 What runs through here: `ops.linear` during the runner's eager prefill and the eager backend's

@@ -22,8 +22,8 @@ aten) runs the call.
 
 On a CPU with AMX (an Intel Xeon) the bf16 calls of 2-64 rows go to the kernel's AMX loop instead
 (`cann_cpu::amx_linear`, csrc/amx_linear.cpp, on the same packed layout): there oneDNN's AMX
-products read the 0.6B projections at 0.63-0.69 of a sum's rate at 4-16 rows and the AVX-512 loop
-at 0.37-0.52, the AMX loop at 0.86-0.91 (BENCHMARKS.md, "twenty-sixth pass"). fp32 stays with
+products read the 0.6B projections at 0.53-0.69 of a sum's rate at 4-16 rows and the AVX-512 loop
+at 0.33-0.52, the AMX loop at 0.73-0.91 (two passes; BENCHMARKS.md, "twenty-sixth pass"). fp32 stays with
 oneDNN there (`max_kernel_rows`).
 
 The packed copy is made on the first decode call from the live weight and kept next to it

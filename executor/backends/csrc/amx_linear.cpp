@@ -9,19 +9,21 @@
 //
 // Why a kernel: at 2-64 rows a decode GEMM is a stream over the weight. On the AMX host measured
 // (2 vCPUs of an Intel Xeon, BENCHMARKS.md "twenty-sixth pass") oneDNN's AMX products on their own
-// packed weights read the Qwen3-0.6B projections at 0.63-0.69 of a plain fp32 sum's rate at 4-16
-// rows and rows_linear's AVX-512 loop (tuned on AMD Zen 4) at 0.37-0.52; this loop reads them at
-// 0.86-0.91. An AMX tile product (16 x 16 x 32 multiply-adds) is so fast next to the memory that
-// the loop is a stream: per 32 k values it loads one A tile (up to 16 rows of x, from cache) and the
-// block's four B tiles (4 KB of weight), and asks for the weight 4 KB ahead of the first tile of rows
-// (into L1: without it the same pass read 0.83-0.85; the next block into L2 spread over the block,
-// rows_linear's scheme, read 0.78-0.80). With more than 16 rows the block is run once per tile of
-// rows, its later tiles reading it from L2.
+// packed weights read the Qwen3-0.6B projections at 0.53-0.69 of a plain fp32 sum's rate at 4-16
+// rows and rows_linear's AVX-512 loop (tuned on AMD Zen 4) at 0.33-0.52; this loop reads them at
+// 0.73-0.91 (two passes, one on a slower, noisier VM). An AMX tile product (16 x 16 x 32
+// multiply-adds) is so fast next to the memory that the loop is a stream: per 32 k values it loads
+// one A tile (up to 16 rows of x, from cache) and the block's four B tiles (4 KB of weight), and
+// asks for the weight 4 KB ahead of the first tile of rows (into L1: without it the same pass read
+// 0.82-0.83; the next block into L2 spread over the block, rows_linear's scheme, read 0.78-0.80).
+// With more than 16 rows the block is run once per tile of rows, its later tiles reading it from
+// L2. Two row tiles sharing each B tile (2 x 2 tiles over 32 columns, half the B loads) read
+// 0.9x as fast at 32-64 rows: there the tile products limit, not the loads.
 //
 // The weight as stored, (N, K), is taken as well (the eager decode step, which keeps no packed copy):
 // then the weight is the A operand, 16 of its rows (64 bytes of k each, rows K apart) per tile, and
 // x is the B operand, transposed into k pairs once per call, so the tiles compute y^T and the store
-// transposes it back. On the same pass it read 0.73-0.74 of a sum's rate at 4-16 rows, aten's linear
+// transposes it back. It read 0.73-0.82 of a sum's rate at 4-16 rows (two passes), aten's linear
 // (oneDNN, the weight reordered on every call) 0.41; asking for the 64 rows' next lines ahead cost
 // more than it gained (0.63-0.65).
 //
