@@ -32,6 +32,17 @@ def test_a_cpu_without_amx_never_builds_the_loop():
     assert "cann_cpu_amx_linear" not in _build._loaded
 
 
+def test_the_fake_kernel_gives_the_shape_for_both_layouts():
+    """What a traced graph sees (no kernel needed): N from the packed blocks or from the stored rows."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(3, 1, 128, dtype=torch.bfloat16)
+        packed = torch.ops.cann_cpu.amx_linear(x, torch.empty(4, 64, 64, 2, dtype=torch.bfloat16), None)
+        stored = torch.ops.cann_cpu.amx_linear(x, torch.empty(192, 128, dtype=torch.bfloat16), None)
+    assert packed.shape == (3, 1, 256) and stored.shape == (3, 1, 192)
+
+
 @needs_amx
 @pytest.mark.parametrize("rows", [2, 5, 16, 17, 31, 64])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])

@@ -23,8 +23,8 @@ aten) runs the call.
 On a CPU with AMX (an Intel Xeon) the bf16 calls of 2-64 rows go to the kernel's AMX loop instead
 (`cann_cpu::amx_linear`, csrc/amx_linear.cpp, on the same packed layout): there oneDNN's AMX
 products read the 0.6B projections at 0.53-0.69 of a sum's rate at 4-16 rows and the AVX-512 loop
-at 0.33-0.52, the AMX loop at 0.73-0.91 (two passes; BENCHMARKS.md, "twenty-sixth pass"). fp32 stays with
-oneDNN there (`max_kernel_rows`).
+at 0.33-0.52, the AMX loop at 0.73-0.91 (two passes; BENCHMARKS.md, "twenty-sixth pass"). fp32
+stays with oneDNN there (`max_kernel_rows`).
 
 The packed copy is made on the first decode call from the live weight and kept next to it
 (executor.memo: dropped with the weight, remade if the weight is changed in place), so the compiled
@@ -158,11 +158,12 @@ def kernel_cols(dtype: torch.dtype) -> int:
 
 @functools.cache  # asked on every call, through _fits's cache
 def max_kernel_rows(dtype: torch.dtype) -> int:
-    """The most rows the kernel takes on this CPU (past them oneDNN, or aten, runs the call). No rows
-    on a CPU with AMX, where oneDNN runs the dtype: there oneDNN on its packed weights ran the
-    0.6B-shape decode step faster at every batch, in both dtypes (ge_graph, one process per run,
-    alternating: 0.70x the kernel's step time at batch 4 and 0.59x at 16 in bf16, 0.79x and 0.94x
-    in fp32; BENCHMARKS.md, "twenty-fifth pass"). The kernel's AVX-512 loop was tuned on AMD Zen 4."""
+    """The most rows the kernel's AVX-512 and AVX2 loops take on this CPU (past them oneDNN, or aten,
+    runs the call). No rows on a CPU with AMX, where oneDNN runs the dtype (and bf16 goes to the AMX
+    loop, `amx_fits`): there oneDNN on its packed weights ran the 0.6B-shape decode step faster than
+    these loops at every batch, in both dtypes (ge_graph, one process per run, alternating: 0.70x
+    the kernel's step time at batch 4 and 0.59x at 16 in bf16, 0.79x and 0.94x in fp32;
+    BENCHMARKS.md, "twenty-fifth pass"). The kernel's AVX-512 loop was tuned on AMD Zen 4."""
     if cpu_has_amx() and supported(dtype):
         return 0
     return MAX_KERNEL_ROWS if kernel_cols(dtype) == 64 else MAX_AVX2_KERNEL_ROWS
@@ -214,7 +215,8 @@ def pack_rows(weight: torch.Tensor, cols: int | None = None) -> torch.Tensor:
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`linear(x, weight, bias)` on `weight` packed once: the AMX loop or the kernel where they fit,
-    else oneDNN (packed for x's row count), or aten where oneDNN would emulate the dtype (bf16 on AVX2)."""
+    else oneDNN (packed for x's row count), or aten where oneDNN would emulate the dtype (bf16 on
+    AVX2)."""
     rows = x.numel() // x.shape[-1]
     amx = amx_fits(weight, rows)
     if amx or kernel_fits(weight, rows):
@@ -241,7 +243,8 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 @torch.library.register_fake("cann_cpu::amx_linear")
 def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], packed.shape[0] * packed.shape[2]))
+    n = packed.shape[0] if packed.dim() == 2 else packed.shape[0] * packed.shape[2]  # as stored, or (N/64, K/2, 64, 2)
+    return x.new_empty((*x.shape[:-1], n))
 
 
 @torch.library.register_fake("cann_cpu::rows_linear")
