@@ -37,6 +37,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "linear_io.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -139,6 +141,22 @@ CANN_AMX_TARGET void store_rows(const float* c, int rows, const float* bias, uin
     }
 }
 
+// A thread's tiles during one call: configured (by `configure`, for a tile height) again only when
+// the height changes, which balanced tiles do at most once; released when the thread's share ends.
+struct ThreadTiles {
+  void (*configure)(int rows);
+  int rows = 0;
+  void fit(int64_t mb) {
+    if (mb != rows) {
+      rows = static_cast<int>(mb);
+      configure(rows);
+    }
+  }
+  ~ThreadTiles() {
+    if (rows) release();
+  }
+};
+
 // Every 64-column block (in parallel) times every tile of rows: M rows split into balanced tiles of
 // at most 16 (20 rows: 10 + 10), so a thread configures its tiles at most twice per call.
 void run_blocks(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t NB, const float* bias,
@@ -146,21 +164,17 @@ void run_blocks(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int6
   const int64_t N = NB * kCols, block = K * kCols, n_tiles = (M + kTileRows - 1) / kTileRows;
   at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float c[kTileRows * kCols];
-    int configured = 0;
+    ThreadTiles tiles{configure};
     for (int64_t nb = begin; nb < end; ++nb) {
       for (int64_t m0 = 0, t = 0, mb = 0; m0 < M; m0 += mb, ++t) {
         mb = M / n_tiles + (t < M % n_tiles);
-        if (mb != configured) {
-          configure(static_cast<int>(mb));
-          configured = static_cast<int>(mb);
-        }
+        tiles.fit(mb);
         // the weight's last block asks for nothing ahead: its last chunk's 4 KB would run past the weight
         const bool ahead = t == 0 && (nb + 1 < NB);
         amx_block(x + m0 * K, K, K, w + nb * block, c, ahead ? kAhead : 0);
         store_rows(c, static_cast<int>(mb), bias ? bias + nb * kCols : nullptr, y + m0 * N + nb * kCols, N);
       }
     }
-    if (configured) release();
   });
 }
 
@@ -247,19 +261,15 @@ void run_stored(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int6
   }
   at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float c[4 * kTileRows * kTileRows];
-    int configured = 0;
+    ThreadTiles tiles{configure_stored};
     for (int64_t nb = begin; nb < end; ++nb) {
       for (int64_t m0 = 0, t = 0, mb = 0; m0 < M; m0 += mb, ++t) {
         mb = M / n_tiles + (t < M % n_tiles);
-        if (mb != configured) {
-          configure_stored(static_cast<int>(mb));
-          configured = static_cast<int>(mb);
-        }
+        tiles.fit(mb);
         stored_block(w + nb * kCols * ldw, ldw, K, xt.data() + m0 * K / 2, static_cast<int>(mb), c);
         store_transposed(c, static_cast<int>(mb), bias ? bias + nb * kCols : nullptr, y + m0 * N + nb * kCols, N);
       }
     }
-    if (configured) release();
   });
 }
 #endif
@@ -287,14 +297,8 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::
   TORCH_CHECK(x.size(-1) == K, "amx_linear: x has ", x.size(-1), " columns, the weight ", K);
   TORCH_CHECK(amx_supported(), "amx_linear: this CPU (or kernel, or build) does not run AMX-BF16");
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
-  at::Tensor fbias;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "amx_linear: bias has ", bias->numel(), " values, the weight ", N, " rows");
-    fbias = bias->to(at::kFloat).contiguous();
-  }
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() = N;
-  at::Tensor y = at::empty(shape, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const at::Tensor fbias = cann::fp32_bias(bias, N, "amx_linear");
+  at::Tensor y = cann::linear_output(x, N);
 #ifdef CANN_AMX
   const auto* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());

@@ -27,6 +27,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "linear_io.h"
+
 #include <cstdint>
 #include <vector>
 
@@ -259,14 +261,8 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
   TORCH_CHECK(M >= 1 && M <= kMaxRows, "gemv: takes 1 to ", kMaxRows, " rows, got ", M);
-  at::Tensor fbias;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "gemv: bias has ", bias->numel(), " values, the weight ", N, " rows");
-    fbias = bias->to(at::kFloat).contiguous();
-  }
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() = N;
-  at::Tensor y = at::empty(shape, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const at::Tensor fbias = cann::fp32_bias(bias, N, "gemv");
+  at::Tensor y = cann::linear_output(x, N);
 #ifdef CANN_GEMV
   const float* bp = fbias.defined() ? fbias.data_ptr<float>() : nullptr;
   if (!avx512_for(dtype)) {

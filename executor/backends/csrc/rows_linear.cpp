@@ -30,6 +30,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "linear_io.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -430,14 +432,8 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
   TORCH_CHECK(x.size(-1) == K, "rows_linear: x has ", x.size(-1), " columns, the weight ", K);
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
-  at::Tensor fbias;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "rows_linear: bias has ", bias->numel(), " values, the weight ", N, " rows");
-    fbias = bias->to(at::kFloat).contiguous();
-  }
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() = N;
-  at::Tensor y = at::empty(shape, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const at::Tensor fbias = cann::fp32_bias(bias, N, "rows_linear");
+  at::Tensor y = cann::linear_output(x, N);
 #ifdef CANN_ROWS
   const float* bp = fbias.defined() ? fbias.data_ptr<float>() : nullptr;
   if (avx2) {
