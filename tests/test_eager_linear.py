@@ -1,7 +1,8 @@
 """Large linears that run eagerly on CPU (executor.backends.eager_linear): fp32 GEMMs go through
 oneDNN, products of 1-4 rows in bf16 and fp32 through the `cann_cpu::gemv` kernel (AVX-512 or
-AVX2), bf16 GEMMs through `cann_cpu::rows_linear` where oneDNN would emulate bf16, and 2-64 bf16
-rows through `cann_cpu::amx_linear` on a CPU with AMX.
+AVX2), of 5-64 rows through `cann_cpu::dot_linear` on an AVX-512 CPU without AMX, bf16 GEMMs
+through `cann_cpu::rows_linear` where oneDNN would emulate bf16, and 2-64 bf16 rows through
+`cann_cpu::amx_linear` on a CPU with AMX.
 
 The tiny test models' weights are below the size where the switch applies, so a checkpoint with
 one large projection is built here; against transformers (aten's sgemm) the prefill logits and the
@@ -34,13 +35,13 @@ def test_qualifying_linears_run_through_onednn_with_the_same_result():
     torch.manual_seed(0)
     big = torch.nn.Linear(256, LARGE)  # with a bias
     small = torch.nn.Linear(256, 32)
-    x = torch.randn(2, 5, 256)
+    x = torch.randn(2, 40, 256)
     mode = LinearKernel()
     with torch.no_grad():
         want_big, want_small = F.linear(x, big.weight, big.bias), small(x)
         got_big, got_small = mode.linear(x, big.weight, big.bias), mode.linear(x, small.weight, small.bias)
-    assert (mode.onednn_calls, mode.gemv_calls) == (1, 0)  # 10 rows; the small weight stays with aten
-    assert got_big.shape == (2, 5, LARGE)
+    assert (mode.onednn_calls, mode.gemv_calls, mode.dot_calls) == (1, 0, 0)  # 80 rows; the small weight: aten
+    assert got_big.shape == (2, 40, LARGE)
     torch.testing.assert_close(got_big, want_big, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_small, want_small, rtol=0, atol=0)
 
@@ -55,10 +56,10 @@ def test_autograd_stays_with_aten():
 
 
 def test_many_bf16_rows_go_to_the_rows_kernel_only_where_onednn_would_emulate_bf16():
-    """Where oneDNN runs bf16 natively, aten's linear (which calls it) keeps them, except on a CPU
-    with AMX, where the AMX loop takes up to 64 rows of a weight of whole 64-row blocks as stored;
-    where oneDNN would emulate bf16 (an AVX2 host), the rows kernel takes a weight of whole 16-row
-    blocks as stored."""
+    """Where oneDNN runs bf16 natively, aten's linear (which calls it) keeps them, except up to 64
+    rows: on a CPU with AMX the AMX loop takes those of a weight of whole 64-row blocks as stored, on
+    another AVX512-BF16 CPU dot_linear takes any weight as stored; where oneDNN would emulate bf16
+    (an AVX2 host), the rows kernel takes a weight of whole 16-row blocks as stored."""
     torch.manual_seed(0)
     big = torch.nn.Linear(256, LARGE).to(torch.bfloat16)
     x = torch.randn(8, 256).to(torch.bfloat16)
@@ -73,7 +74,15 @@ def test_many_bf16_rows_go_to_the_rows_kernel_only_where_onednn_would_emulate_bf
     amx = packed_linear.amx_runs()
     assert plain == (takes and packed_linear.kernel_runs(torch.bfloat16))
     assert not (plain and amx)
-    assert (mode.onednn_calls, mode.gemv_calls, mode.rows_calls, mode.amx_calls) == (0, 0, 2 * plain, int(amx))
+    dot = int(eager_linear.dot_runs(torch.bfloat16))  # the sliced weight is just below the size limit
+    assert not (dot and (plain or amx))
+    assert (mode.onednn_calls, mode.gemv_calls, mode.rows_calls, mode.amx_calls, mode.dot_calls) == (
+        0,
+        0,
+        2 * plain,
+        int(amx),
+        dot,
+    )
     torch.testing.assert_close(got.double(), want, rtol=8e-3, atol=1e-2)
     assert many.shape == (65, LARGE)
 
@@ -100,6 +109,44 @@ def test_one_to_four_rows_run_the_gemv_kernel(dtype, shape):
     assert err <= 1.5 * aten_err + (1e-6 if dtype == torch.float32 else 1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("rows", [5, 6, 7, 16, 64])
+def test_five_to_64_rows_run_dot_linear(dtype, rows):
+    """Every tile shape (5-7 rows: one tile of rows, 16 and 64: balanced tiles; N = 4k + 3: a last
+    block of three weight rows; K = 250: a masked tail), a bias and x with strided rows: as close
+    to a double-precision reference as aten's linear is."""
+    if not eager_linear.dot_runs(dtype):
+        pytest.skip("dot_linear runs on a CPU with AVX-512 (AVX512-BF16 for bf16) and without AMX")
+    torch.manual_seed(0)
+    big = torch.nn.Linear(250, 2 * LARGE + 3).to(dtype)
+    x = torch.randn(rows, 500).to(dtype)[:, ::2]
+    want = F.linear(x.double(), big.weight.double(), big.bias.double())
+    mode = LinearKernel()
+    with torch.no_grad():
+        aten = F.linear(x, big.weight, big.bias)
+        got = mode.linear(x, big.weight, big.bias)
+        mode.linear(torch.randn(65, 250).to(dtype), big.weight, big.bias)  # past its rows: oneDNN / aten
+    assert mode.dot_calls == 1 and mode.gemv_calls == 0
+    assert mode.onednn_calls == int(dtype == torch.float32)
+    assert got.shape == (rows, 2 * LARGE + 3) and got.dtype == dtype
+    err, aten_err = (got.double() - want).abs().max(), (aten.double() - want).abs().max()
+    assert err <= 1.5 * aten_err + (1e-6 if dtype == torch.float32 else 1e-3)
+
+
+def test_dot_linear_refuses_what_it_does_not_take():
+    if not eager_linear.dot_runs(torch.float32):
+        pytest.skip("dot_linear runs on a CPU with AVX-512 and without AMX")
+    w = torch.randn(8, 32)
+    with pytest.raises(RuntimeError, match="1 to 64 rows"):
+        torch.ops.cann_cpu.dot_linear(torch.randn(65, 32), w, None)
+    with pytest.raises(RuntimeError, match="x is"):
+        torch.ops.cann_cpu.dot_linear(torch.randn(5, 32, dtype=torch.float64), w, None)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        torch.ops.cann_cpu.dot_linear(torch.randn(5, 8), w.t(), None)
+    with pytest.raises(RuntimeError, match="bias has 7 values"):
+        torch.ops.cann_cpu.dot_linear(torch.randn(5, 32), w, torch.randn(7))
+
+
 @pytest.fixture(scope="module")
 def wide_ckpt(tmp_path_factory):
     """Qwen2 (q/k/v bias) whose gate_up projection is large enough for the switch: 2 x 8192 x 64."""
@@ -107,18 +154,22 @@ def wide_ckpt(tmp_path_factory):
     return ckpt.make_qwen2_checkpoint(tmp_path_factory.mktemp("wide") / "qwen2", intermediate_size=inter, init_std=0.05)
 
 
-def test_prefill_uses_onednn_and_matches_hf(wide_ckpt, make_qwen_runner):
+def test_prefill_linears_match_hf(wide_ckpt, make_qwen_runner):
+    """The prompt's rows (5-64 of them) go to dot_linear on an AVX-512 CPU without AMX, to oneDNN
+    elsewhere."""
     runner, ref = make_qwen_runner(wide_ckpt), ckpt.load_reference(wide_ckpt)
-    assert runner.prefill_kernels.linear_kernel == "onednn"
+    dot = eager_linear.dot_runs(torch.float32)
+    assert runner.prefill_kernels.linear_kernel == ("gemv+dot_linear+onednn" if dot else "onednn")
     expected = ckpt.reference_greedy(ref, PROMPT, 8)
     assert len(set(expected)) > 3, "degenerate reference; the comparison would prove little"
     gen = runner.generate([PROMPT], 8)
     assert gen.token_ids == [expected]
     assert_close_logits(gen.first_logits[0], hf_logits(ref, PROMPT)[-1])
     assert runner.prefill_kernels.to_metrics()["prefill_linears"] == {
-        "kernel": "onednn",
-        "onednn_calls": 2,
+        "kernel": "gemv+dot_linear+onednn" if dot else "onednn",
+        "onednn_calls": 0 if dot else 2,
         "gemv_calls": 0,
+        "dot_calls": 2 if dot else 0,
         "rows_calls": 0,
         "amx_calls": 0,
     }
@@ -136,16 +187,26 @@ def test_eager_decode_runs_the_gemv_kernel_and_matches_hf(wide_ckpt, make_qwen_r
     assert gen.token_ids == [expected]
     gemv = [e for e in prof.events() if e.name == "cann_cpu::gemv"]
     kernel = not eager_linear.aten_takes_single_rows(torch.float32)
-    assert len(gemv) == 2 * 7 * kernel  # one large weight per layer, 7 decode steps (the prefill's rows went to oneDNN)
+    assert len(gemv) == 2 * 7 * kernel  # one large weight per layer, 7 decode steps (the prefill's rows: more than 4)
     assert runner.prefill_kernels.to_metrics()["prefill_linears"]["gemv_calls"] == 0
 
 
 def test_bf16_takes_the_kernels_and_small_models_keep_aten(wide_ckpt, qwen3_ckpt, make_qwen_runner):
-    """bf16: the GEMV kernel for a few rows; more rows go to oneDNN through aten where it runs bf16
-    natively, to the rows kernel where it would emulate it (the prefill then matches HF's logits)."""
+    """bf16: the GEMV kernel for a few rows; more rows go to dot_linear (up to 64, an AVX512-BF16
+    CPU without AMX), the AMX loop (up to 64, a CPU with AMX) or oneDNN through aten where it runs
+    bf16 natively, to the rows kernel where it would emulate it (the prefill then matches HF's
+    logits)."""
     runner = make_qwen_runner(wide_ckpt, "model_config.dtype=bfloat16")
     native = packed_linear.supported(torch.bfloat16)
-    want_kernel = "gemv+amx_linear" if packed_linear.cpu_has_amx() else "gemv" if native else "gemv+rows_linear"
+    want_kernel = (
+        "gemv+amx_linear"
+        if packed_linear.cpu_has_amx()
+        else "gemv+dot_linear"
+        if torch.cpu._is_avx512_bf16_supported()
+        else "gemv"
+        if native
+        else "gemv+rows_linear"
+    )
     assert runner.prefill_kernels.linear_kernel == want_kernel
     if eager_linear.rows_run_plain(torch.bfloat16):
         first = runner.generate([PROMPT], 1).first_logits[0].float()

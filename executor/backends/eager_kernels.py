@@ -72,6 +72,7 @@ class EagerKernels:
                 "kernel": self.linear_kernel,
                 "onednn_calls": k.linears.onednn_calls,
                 "gemv_calls": k.linears.gemv_calls,
+                "dot_calls": k.linears.dot_calls,
                 "rows_calls": k.linears.rows_calls,
                 "amx_calls": k.linears.amx_calls,
             },

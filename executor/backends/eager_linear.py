@@ -22,6 +22,15 @@ streamed the 0.6B shape's bf16 weights at 15-19 GB/s where the machine reads ~33
 It is built on the first call that needs it; where it cannot be, one line says so and aten
 runs those calls.
 
+Why a second loop for 5-64 rows on an AVX-512 CPU without AMX (`cann_cpu::dot_linear`, same
+source): the eager decode step at batch 5-64 (and a short prompt's prefill) is such a product. On
+the weight as stored aten's bf16 linear (oneDNN, reordering the weight per call) ran the 0.6B
+projections at 86-181 GFLOP/s at 5-16 rows and oneDNN's fp32 one at 45-96; the loop (tiles of 4
+weight rows x up to 6 rows of x, dot products along K) ran them 1.8-2.0x faster, level with the
+compiled modes' loop on a packed copy, and 1.0-1.3x faster at 32-64 rows. The eager step took
+0.57x / 0.69x the time at bf16 batch 8 / 16, 0.62x / 0.63x in fp32; at batch 64 it was level
+(BENCHMARKS.md, "twenty-seventh pass").
+
 Why the AMX loop for 2-64 bf16 rows on a CPU with AMX (`cann_cpu::amx_linear` on the weight as
 stored, csrc/amx_linear.cpp): aten's linear reorders the weight for oneDNN on every call, and read
 the 0.6B projections at 0.41 of a sum's rate at 4-16 rows on the AMX host; the loop, with the
@@ -50,6 +59,7 @@ from executor.ops import reference
 from executor.platform import cpu_runs_bf16
 
 GEMV_MAX_ROWS = 4  # the kernel's limit (csrc/gemv.cpp)
+DOT_MAX_ROWS = 64  # dot_linear's limit (the same source)
 GEMV_DTYPES = (torch.bfloat16, torch.float32)
 GEMV_SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cpp"
 PLAIN_COLS = 16  # rows_linear's AVX2 loop, which alone takes a weight as stored (N a multiple of it)
@@ -57,6 +67,8 @@ PLAIN_COLS = 16  # rows_linear's AVX2 loop, which alone takes a weight as stored
 _lib = torch.library.Library("cann_cpu", "FRAGMENT")  # the namespace is defined by packed_linear
 _lib.define("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _lib.define("gemv_supported(ScalarType dtype) -> bool")
+_lib.define("dot_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_lib.define("dot_linear_supported(ScalarType dtype) -> bool")
 
 
 @torch.library.register_fake("cann_cpu::gemv")  # a compiled graph may call it (gemv_in_graphs)
@@ -96,6 +108,20 @@ def _large(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         and x.numel() > 0
         and (bias is None or bias.dtype == weight.dtype)
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    )
+
+
+@functools.cache
+def dot_runs(dtype: torch.dtype) -> bool:
+    """5-64 rows go to `cann_cpu::dot_linear`: bf16 or fp32 on a CPU with AVX-512 (AVX512-BF16 for
+    bf16) and without AMX, where it was measured (BENCHMARKS.md, "twenty-seventh pass"). With AMX
+    bf16 has its AMX loop, and the AVX-512 loops lost to oneDNN there in fp32 ("twenty-fifth pass")."""
+    return (
+        dtype in GEMV_DTYPES
+        and cpu_has_avx512(dtype)
+        and not cpu_has_amx()
+        and _gemv_library()
+        and bool(torch.ops.cann_cpu.dot_linear_supported(dtype))
     )
 
 
@@ -146,13 +172,14 @@ def rows_run_plain(dtype: torch.dtype) -> bool:
 class LinearKernel:
     """`linear` for the op table: the GEMV kernel for 1-4 rows (gemv_max_rows) of a large CPU
     weight in bf16 or fp32, except a single fp32 row on a CPU with AMX (aten_takes_single_rows);
-    for more rows oneDNN in fp32, and in bf16 the AMX loop (2-64 rows, a CPU with AMX) or the rows
-    kernel where oneDNN would emulate bf16; the reference otherwise. The counts are what
-    metrics.json reports."""
+    5-64 rows on dot_linear (an AVX-512 CPU without AMX); for more rows oneDNN in fp32, and in bf16
+    the AMX loop (2-64 rows, a CPU with AMX) or the rows kernel where oneDNN would emulate bf16;
+    the reference otherwise. The counts are what metrics.json reports."""
 
     def __init__(self):
         self.onednn_calls = 0
         self.gemv_calls = 0
+        self.dot_calls = 0
         self.rows_calls = 0
         self.amx_calls = 0
 
@@ -167,6 +194,9 @@ class LinearKernel:
             if weight.stride(1) == 1 and packed_linear.amx_fits(weight, rows):
                 self.amx_calls += 1
                 return torch.ops.cann_cpu.amx_linear.default(x, weight, bias)
+            if rows <= DOT_MAX_ROWS and weight.stride(1) == 1 and dot_runs(weight.dtype):
+                self.dot_calls += 1
+                return torch.ops.cann_cpu.dot_linear.default(x, weight, bias)
             if weight.dtype == torch.float32 and packed_linear.supported(torch.float32):
                 self.onednn_calls += 1
                 out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), weight, bias, "none", [], "")
@@ -178,13 +208,17 @@ class LinearKernel:
 
 
 def kernel_for(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str:
-    """What a run's large linears get: "onednn" (fp32), "gemv" (bf16: its few-row products),
-    "gemv+amx_linear" (bf16 on a CPU with AMX: the AMX loop takes 2-64 rows), "gemv+rows_linear"
-    (bf16 where oneDNN would emulate it: the rows kernel takes the others) or "aten" (another
-    device or dtype, or no weight large enough). Asking builds no kernel."""
+    """What a run's large linears get: "gemv+dot_linear+onednn" (fp32) or "gemv+dot_linear" (bf16)
+    on an AVX-512 CPU without AMX (GEMV for 1-4 rows, dot_linear for 5-64, oneDNN past that in
+    fp32), "onednn" (fp32 elsewhere), "gemv" (bf16: its few-row products), "gemv+amx_linear" (bf16
+    on a CPU with AMX: the AMX loop takes 2-64 rows), "gemv+rows_linear" (bf16 where oneDNN would
+    emulate it: the rows kernel takes the others) or "aten" (another device or dtype, or no weight
+    large enough). Asking builds no kernel."""
     large = any(p.dim() == 2 and p.numel() >= packed_linear.MIN_WEIGHT_NUMEL for p in model.parameters())
     if device.type != "cpu" or not large:
         return "aten"
+    if dtype in GEMV_DTYPES and cpu_has_avx512(dtype) and not cpu_has_amx():
+        return "gemv+dot_linear+onednn" if dtype == torch.float32 else "gemv+dot_linear"
     if dtype == torch.float32 and packed_linear.supported(dtype):
         return "onednn"
     if dtype == torch.bfloat16 and not packed_linear.supported(dtype) and packed_linear.kernel_cols(dtype):

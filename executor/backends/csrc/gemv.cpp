@@ -1,7 +1,8 @@
-// CPU kernel of cann_cpu::gemv (schema and use: executor/backends/eager_linear.py).
+// CPU kernels of cann_cpu::gemv and cann_cpu::dot_linear (schemas and use:
+// executor/backends/eager_linear.py).
 //
-// y = x W^T + b for one to four rows of x on a weight W (N, K) as stored (rows contiguous), in
-// bf16 or fp32, accumulating in fp32.
+// y = x W^T + b on a weight W (N, K) as stored (rows contiguous), in bf16 or fp32, accumulating in
+// fp32: gemv for one to four rows of x, dot_linear for up to 64 (AVX-512 only; further down).
 //
 // Why: the eager decode step and the prefill's last-token logits multiply a row or a few by
 // every weight, a stream over the weights. aten's linear streamed the Qwen3-0.6B bf16 weights at
@@ -29,6 +30,7 @@
 
 #include "linear_io.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -100,6 +102,143 @@ CANN_F32_TARGET inline void f32_row(const float* x, int64_t ldx, const float* w,
     const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
     y[m * ldy] = _mm512_reduce_add_ps(sum) + bias;
   }
+}
+
+// --- 5 to 64 rows (cann_cpu::dot_linear): tiles of weight rows x rows of x, AVX-512 ---
+// The row loops above read the weight once per call because every row of x stays in registers;
+// past four rows they no longer fit. A tile here is kTileW weight rows times up to kTileX rows of
+// x: per 32 k values (bf16; 16 in fp32) it loads the kTileW weight rows' values and each x row's,
+// and adds kTileW x kTileX dot-product vectors (24 accumulators + 4 weights + 1 x <= 32 zmm). That
+// is the packed loop's ratio of loads to products (rows_linear: 4 weight vectors + 6 broadcasts per
+// 24), on the weight as stored, at the cost of one horizontal sum per output (sum4: ~3.5
+// instructions an output, against 32 products per output at K = 1024). A block of kTileW weight
+// rows is read from memory by its first tile of rows and from cache by the others, which prefetch
+// the next block (contiguous when the rows are) into L2 meanwhile, as run_tiles does for the
+// packed loop.
+constexpr int kTileW = 4;
+constexpr int kTileX = 6;
+constexpr int kDotMaxRows = 64;
+
+// The sums of four vectors' lanes, in lanes 0-3 (a[r] for r >= R is treated as zero).
+template <int R>
+CANN_F32_TARGET inline __m128 sum4(const __m512* a) {
+  const __m512 z = _mm512_setzero_ps();
+  const __m512 a0 = a[0], a1 = R > 1 ? a[1] : z, a2 = R > 2 ? a[2] : z, a3 = R > 3 ? a[3] : z;
+  // 128-bit blocks: [a0 lo half, a0 hi half, a1 lo, a1 hi] summed pairwise, the same for a2, a3
+  const __m512 t01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
+  const __m512 t23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
+  // block r: four partial sums of a[r]
+  __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(t01, t23, 0x88), _mm512_shuffle_f32x4(t01, t23, 0xDD));
+  u = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E));
+  u = _mm512_add_ps(u, _mm512_permute_ps(u, 0xB1));
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                                        0, 0), u));
+}
+
+// Touch `lines` cache lines from `pf` on into L2: the caller's share of the next block.
+inline void prefetch_l2(const char* pf, int lines) {
+  for (int i = 0; i < lines; ++i) _mm_prefetch(pf + i * 64, _MM_HINT_T1);
+}
+
+// One bf16 tile: S rows of x (row stride ldx) times R weight rows (row stride ldw), K values each,
+// into y[s, 0..R) (row stride ldy), bias added in fp32 and each output rounded once. Every 32-value
+// step also prefetches `pfl` lines from `pf` on.
+template <int R, int S>
+CANN_BF16_TARGET inline void bf16_dots(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, int64_t K,
+                                       const float* bias, uint16_t* y, int64_t ldy, const char* pf, int pfl) {
+  __m512 acc[S][R];
+#pragma GCC unroll 8
+  for (int s = 0; s < S; ++s)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[s][r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k < K; k += 32) {
+    const __mmask32 mask = K - k >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1ull << (K - k)) - 1);
+    prefetch_l2(pf, pfl);
+    pf += pfl * 64;
+    __m512bh wr[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) wr[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * ldw + k);
+#pragma GCC unroll 8
+    for (int s = 0; s < S; ++s) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + s * ldx + k);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[s][r] = _mm512_dpbf16_ps(acc[s][r], wr[r], xv);
+    }
+  }
+  const __mmask8 out = static_cast<__mmask8>((1u << R) - 1);
+  const __m128 b = bias ? _mm_maskz_loadu_ps(out, bias) : _mm_setzero_ps();
+#pragma GCC unroll 8
+  for (int s = 0; s < S; ++s)
+    _mm_mask_storeu_epi16(y + s * ldy, out, (__m128i)_mm_cvtneps_pbh(_mm_add_ps(sum4<R>(acc[s]), b)));
+}
+
+// The same in fp32: 16 k values per step, FMA.
+template <int R, int S>
+CANN_F32_TARGET inline void f32_dots(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K,
+                                     const float* bias, float* y, int64_t ldy, const char* pf, int pfl) {
+  __m512 acc[S][R];
+#pragma GCC unroll 8
+  for (int s = 0; s < S; ++s)
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) acc[s][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 mask = K - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (K - k)) - 1);
+    prefetch_l2(pf, pfl);
+    pf += pfl * 64;
+    __m512 wr[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) wr[r] = _mm512_maskz_loadu_ps(mask, w + r * ldw + k);
+#pragma GCC unroll 8
+    for (int s = 0; s < S; ++s) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + s * ldx + k);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[s][r] = _mm512_fmadd_ps(wr[r], xv, acc[s][r]);
+    }
+  }
+  const __mmask8 out = static_cast<__mmask8>((1u << R) - 1);
+  const __m128 b = bias ? _mm_maskz_loadu_ps(out, bias) : _mm_setzero_ps();
+#pragma GCC unroll 8
+  for (int s = 0; s < S; ++s) _mm_mask_storeu_ps(y + s * ldy, out, _mm_add_ps(sum4<R>(acc[s]), b));
+}
+
+template <typename T>
+using DotFn = void (*)(const T*, int64_t, const T*, int64_t, int64_t, const float*, T*, int64_t, const char*, int);
+
+// The tile functions by [R - 1][S - 1].
+#define CANN_DOT_ROW(fn, R) {fn<R, 1>, fn<R, 2>, fn<R, 3>, fn<R, 4>, fn<R, 5>, fn<R, 6>}
+constexpr DotFn<uint16_t> kBf16Dots[kTileW][kTileX] = {CANN_DOT_ROW(bf16_dots, 1), CANN_DOT_ROW(bf16_dots, 2),
+                                                       CANN_DOT_ROW(bf16_dots, 3), CANN_DOT_ROW(bf16_dots, 4)};
+constexpr DotFn<float> kF32Dots[kTileW][kTileX] = {CANN_DOT_ROW(f32_dots, 1), CANN_DOT_ROW(f32_dots, 2),
+                                                   CANN_DOT_ROW(f32_dots, 3), CANN_DOT_ROW(f32_dots, 4)};
+#undef CANN_DOT_ROW
+
+// Every block of kTileW weight rows (in parallel) times every tile of rows of x (balanced: 16 rows
+// run as 6 + 5 + 5). `step` is the bytes of one weight row per k step (64). Each tile prefetches a
+// share of the next block in proportion to its rows, the block's 4 lines per step spread over all
+// of its tiles; only where the weight's rows are contiguous (the next block is one region).
+template <typename T>
+void run_dots(const DotFn<T> (*table)[kTileX], const T* x, int64_t M, int64_t K, const T* w, int64_t ldw,
+              int64_t N, const float* bias, T* y, int64_t kvals) {
+  const int64_t NB = (N + kTileW - 1) / kTileW, n_tiles = (M + kTileX - 1) / kTileX;
+  const int64_t steps = (K + kvals - 1) / kvals;
+  const bool contiguous = ldw == K;
+  at::parallel_for(0, NB, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb) {
+      const int64_t n0 = nb * kTileW, R = std::min<int64_t>(kTileW, N - n0);
+      const T* blk = w + n0 * ldw;
+      const char* pf = reinterpret_cast<const char*>(blk + kTileW * ldw);
+      const bool prefetch = contiguous && nb + 1 < end && N - n0 >= 2 * kTileW;
+      for (int64_t m0 = 0, t = 0, mb = 0; m0 < M; m0 += mb, ++t) {
+        mb = M / n_tiles + (t < M % n_tiles);
+        int pfl = prefetch ? static_cast<int>((kTileW * mb + M - 1) / M) : 0;
+        // lines rounded up may run past the next block: never past the weight's end
+        if (pfl && reinterpret_cast<const char*>(w + N * ldw) - pf < pfl * steps * 64) pfl = 0;
+        table[R - 1][mb - 1](x + m0 * K, K, blk, ldw, K, bias ? bias + n0 : nullptr, y + m0 * N + n0, N, pf, pfl);
+        pf += pfl * steps * 64;
+      }
+    }
+  });
 }
 
 template <typename T>
@@ -287,7 +426,48 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
   return y;
 }
 
+bool dot_linear_supported(at::ScalarType dtype) {
+#ifdef CANN_GEMV
+  return (dtype == at::kBFloat16 || dtype == at::kFloat) && avx512_for(dtype);
+#endif
+  return false;
+}
+
+at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  const at::ScalarType dtype = weight.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "dot_linear: the weight must be bf16 or fp32");
+  TORCH_CHECK(x.scalar_type() == dtype, "dot_linear: x is ", x.scalar_type(), ", the weight ", dtype);
+  TORCH_CHECK(dot_linear_supported(dtype), "dot_linear: this CPU has no ",
+              dtype == at::kBFloat16 ? "AVX512-BF16" : "AVX-512");
+  TORCH_CHECK(weight.dim() == 2 && weight.stride(1) == 1, "dot_linear: the weight must be (N, K) with contiguous rows");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(x.size(-1) == K, "dot_linear: x has ", x.size(-1), " columns, the weight ", K);
+  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  TORCH_CHECK(M >= 1 && M <= kDotMaxRows, "dot_linear: takes 1 to ", kDotMaxRows, " rows, got ", M);
+  const at::Tensor fbias = cann::fp32_bias(bias, N, "dot_linear");
+  at::Tensor y = cann::linear_output(x, N);
+#ifdef CANN_GEMV
+  const float* bp = fbias.defined() ? fbias.data_ptr<float>() : nullptr;
+  if (dtype == at::kBFloat16) {
+    run_dots<uint16_t>(kBf16Dots, reinterpret_cast<const uint16_t*>(x2.data_ptr()), M, K,
+                       reinterpret_cast<const uint16_t*>(weight.data_ptr()), weight.stride(0), N, bp,
+                       reinterpret_cast<uint16_t*>(y.data_ptr()), 32);
+  } else {
+    run_dots<float>(kF32Dots, x2.data_ptr<float>(), M, K, weight.data_ptr<float>(), weight.stride(0), N, bp,
+                    y.data_ptr<float>(), 16);
+  }
+#endif
+  return y;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(cann_cpu, CPU, m) { m.impl("gemv", gemv); }
-TORCH_LIBRARY_IMPL(cann_cpu, CompositeExplicitAutograd, m) { m.impl("gemv_supported", gemv_supported); }
+TORCH_LIBRARY_IMPL(cann_cpu, CPU, m) {
+  m.impl("gemv", gemv);
+  m.impl("dot_linear", dot_linear);
+}
+TORCH_LIBRARY_IMPL(cann_cpu, CompositeExplicitAutograd, m) {
+  m.impl("gemv_supported", gemv_supported);
+  m.impl("dot_linear_supported", dot_linear_supported);
+}
