@@ -110,11 +110,12 @@ def test_one_to_four_rows_run_the_gemv_kernel(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("rows", [5, 6, 7, 16, 64])
+@pytest.mark.parametrize("rows", [5, 6, 7, 16, 17, 32, 48, 64])
 def test_five_to_64_rows_run_dot_linear(dtype, rows):
-    """Every tile shape (5-7 rows: one tile of rows, 16 and 64: balanced tiles; N = 4k + 3: a last
-    block of three weight rows; K = 250: a masked tail), a bias and x with strided rows: as close
-    to a double-precision reference as aten's linear is."""
+    """Both loops: the tiles (5-7 rows: one tile of rows, 16-17: balanced tiles; N = 4k + 3: a last
+    block of three weight rows; K = 250: a masked tail) and the packed-x loop (32, 48, 64 rows: 2-4
+    vectors of x; the last N % (24 / vectors) weight rows on the tiles), a bias and x with strided
+    rows: as close to a double-precision reference as aten's linear is."""
     if not eager_linear.dot_runs(dtype):
         pytest.skip("dot_linear runs on a CPU with AVX-512 (AVX512-BF16 for bf16) and without AMX")
     torch.manual_seed(0)

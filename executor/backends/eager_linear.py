@@ -27,9 +27,10 @@ source): the eager decode step at batch 5-64 (and a short prompt's prefill) is s
 the weight as stored aten's bf16 linear (oneDNN, reordering the weight per call) ran the 0.6B
 projections at 86-181 GFLOP/s at 5-16 rows and oneDNN's fp32 one at 45-96; the loop (tiles of 4
 weight rows x up to 6 rows of x, dot products along K) ran them 1.8-2.0x faster, level with the
-compiled modes' loop on a packed copy, and 1.0-1.3x faster at 32-64 rows. The eager step took
-0.57x / 0.69x the time at bf16 batch 8 / 16, 0.62x / 0.63x in fp32; at batch 64 it was level
-(BENCHMARKS.md, "twenty-seventh pass").
+compiled modes' loop on a packed copy. From 28 rows x is packed once per call and each weight
+value broadcast to 2-4 vectors of 16 rows: 1.2-1.4x aten's rate at 24-64 rows. The eager step
+took 0.57x / 0.69x / 0.76x / 0.88x the time at bf16 batch 8 / 16 / 32 / 64, and 0.62x / 0.63x /
+0.81x / 0.85x in fp32 (BENCHMARKS.md, "twenty-seventh pass").
 
 Why the AMX loop for 2-64 bf16 rows on a CPU with AMX (`cann_cpu::amx_linear` on the weight as
 stored, csrc/amx_linear.cpp): aten's linear reorders the weight for oneDNN on every call, and read

@@ -219,7 +219,7 @@ constexpr DotFn<float> kF32Dots[kTileW][kTileX] = {CANN_DOT_ROW(f32_dots, 1), CA
 // of its tiles; only where the weight's rows are contiguous (the next block is one region).
 template <typename T>
 void run_dots(const DotFn<T> (*table)[kTileX], const T* x, int64_t M, int64_t K, const T* w, int64_t ldw,
-              int64_t N, const float* bias, T* y, int64_t kvals) {
+              int64_t N, const float* bias, T* y, int64_t ldy, int64_t kvals) {
   const int64_t NB = (N + kTileW - 1) / kTileW, n_tiles = (M + kTileX - 1) / kTileX;
   const int64_t steps = (K + kvals - 1) / kvals;
   const bool contiguous = ldw == K;
@@ -234,11 +234,160 @@ void run_dots(const DotFn<T> (*table)[kTileX], const T* x, int64_t M, int64_t K,
         int pfl = prefetch ? static_cast<int>((kTileW * mb + M - 1) / M) : 0;
         // lines rounded up may run past the next block: never past the weight's end
         if (pfl && reinterpret_cast<const char*>(w + N * ldw) - pf < pfl * steps * 64) pfl = 0;
-        table[R - 1][mb - 1](x + m0 * K, K, blk, ldw, K, bias ? bias + n0 : nullptr, y + m0 * N + n0, N, pf, pfl);
+        table[R - 1][mb - 1](x + m0 * K, K, blk, ldw, K, bias ? bias + n0 : nullptr, y + m0 * ldy + n0, ldy, pf, pfl);
         pf += pfl * steps * 64;
       }
     }
   });
+}
+
+// With more rows the roles swap (run_cols): x is packed once per call as the vector operand, 16
+// rows of x per zmm (bf16: per k pair, each row's two values in one 32-bit lane, vdpbf16ps's
+// layout; fp32: per k, the rows' values), and each weight value (pair) is broadcast to the C x
+// vectors. A tile is R weight rows (R x C = 24 accumulators), read once, front to back, with no
+// horizontal sums; its sums go through a scratch into y's columns. Rows of x past M are zero lanes,
+// so it pays only where few are: C = 2-4 vectors at most 1/8 empty (cols_for). On the 0.6B
+// projections in bf16 it ran 32 rows 1.07x and 48-64 rows 1.13-1.16x faster than the tiles above,
+// 17-24 rows 0.63-0.85x, 40 and 56 level (BENCHMARKS.md, "twenty-seventh pass").
+template <int R, int C>
+CANN_BF16_TARGET inline void bf16_cols(const int32_t* xp, const uint16_t* w, int64_t ldw, int64_t K, float* out,
+                                       const char* pf, int pfl) {
+  constexpr int64_t Mp = 16 * C;
+  __m512 acc[R][C];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int32_t* wr[R];
+  for (int r = 0; r < R; ++r) wr[r] = reinterpret_cast<const int32_t*>(w + r * ldw);
+  for (int64_t kp = 0; kp < K / 2; ++kp) {
+    if ((kp & 15) == 0) {  // 16 pairs: one line of each weight row
+      prefetch_l2(pf, pfl);
+      pf += pfl * 64;
+    }
+    __m512bh xv[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) xv[c] = (__m512bh)_mm512_loadu_si512(xp + kp * Mp + 16 * c);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(wr[r][kp]);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv[c], b);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + r * Mp + 16 * c, acc[r][c]);
+}
+
+template <int R, int C>
+CANN_F32_TARGET inline void f32_cols(const int32_t* xp, const float* w, int64_t ldw, int64_t K, float* out,
+                                     const char* pf, int pfl) {
+  constexpr int64_t Mp = 16 * C;
+  __m512 acc[R][C];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const float* xf = reinterpret_cast<const float*>(xp);
+  for (int64_t k = 0; k < K; ++k) {
+    if ((k & 15) == 0) {  // 16 values: one line of each weight row
+      prefetch_l2(pf, pfl);
+      pf += pfl * 64;
+    }
+    __m512 xv[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) xv[c] = _mm512_loadu_ps(xf + k * Mp + 16 * c);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 b = _mm512_set1_ps(w[r * ldw + k]);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xv[c], b, acc[r][c]);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + r * Mp + 16 * c, acc[r][c]);
+}
+
+// How many x vectors run_cols takes for M rows: 2-4 with at most 1/8 of their lanes empty, else
+// 0 (the tiles run the call). bf16 also needs K even (whole pairs).
+inline int cols_for(int64_t M, int64_t K, bool bf16) {
+  const int64_t C = (M + 15) / 16;
+  return C >= 2 && C <= 4 && M >= 14 * C && (!bf16 || K % 2 == 0) ? static_cast<int>(C) : 0;
+}
+
+// Weight rows [0, N) of y (row stride ldy) for M rows of x, R = 24 / C rows a tile, in parallel;
+// the caller runs the last N % R rows on the tiles. x is packed once: (lanes per row, 16 C) 32-bit
+// lanes, rows past M zero. Each tile prefetches the next block (the weight's rows contiguous),
+// its lines spread over the tile's steps.
+template <typename T, int C>
+void run_cols(const T* x, int64_t M, int64_t K, const T* w, int64_t ldw, int64_t N, const float* bias, T* y,
+              int64_t ldy) {
+  constexpr int R = 24 / C;
+  constexpr int64_t Mp = 16 * C;
+  constexpr bool bf16 = sizeof(T) == 2;
+  const int64_t lanes = bf16 ? K / 2 : K;  // 32-bit lanes per row of x
+  std::vector<int32_t> xp(lanes * Mp, 0);
+  for (int64_t m = 0; m < M; ++m) {
+    const auto* row = reinterpret_cast<const int32_t*>(x + m * K);
+    for (int64_t l = 0; l < lanes; ++l) xp[l * Mp + m] = row[l];
+  }
+  const int64_t steps = (lanes + 15) / 16, lines = (R * K * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  const char* stop = reinterpret_cast<const char*>(w + N * ldw);
+  at::parallel_for(0, N / R, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> out(R * Mp);
+    for (int64_t nb = begin; nb < end; ++nb) {
+      const int64_t n0 = nb * R;
+      const T* blk = w + n0 * ldw;
+      const char* pf = reinterpret_cast<const char*>(blk + R * ldw);
+      int pfl = ldw == K && nb + 1 < end ? static_cast<int>((lines + steps - 1) / steps) : 0;
+      if (stop - pf < pfl * steps * 64) pfl = 0;  // never past the weight's end
+      if constexpr (bf16) {
+        bf16_cols<R, C>(xp.data(), blk, ldw, K, out.data(), pf, pfl);
+      } else {
+        f32_cols<R, C>(xp.data(), blk, ldw, K, out.data(), pf, pfl);
+      }
+      for (int64_t m = 0; m < M; ++m)
+        for (int r = 0; r < R; ++r) {
+          const float v = out[r * Mp + m] + (bias ? bias[n0 + r] : 0.0f);
+          if constexpr (bf16) {
+            y[m * ldy + n0 + r] = c10::BFloat16(v).x;  // round to nearest even, as aten does
+          } else {
+            y[m * ldy + n0 + r] = v;
+          }
+        }
+    }
+  });
+}
+
+// dot_linear's loop for either dtype: run_cols where cols_for says so, the tiles for the rest.
+template <typename T>
+void run_dot_linear(const DotFn<T> (*tiles)[kTileX], const T* x, int64_t M, int64_t K, const T* w, int64_t ldw,
+                    int64_t N, const float* bias, T* y) {
+  constexpr bool bf16 = sizeof(T) == 2;
+  int64_t done = 0;
+  switch (cols_for(M, K, bf16)) {
+    case 2:
+      done = N / 12 * 12;
+      run_cols<T, 2>(x, M, K, w, ldw, done, bias, y, N);
+      break;
+    case 3:
+      done = N / 8 * 8;
+      run_cols<T, 3>(x, M, K, w, ldw, done, bias, y, N);
+      break;
+    case 4:
+      done = N / 6 * 6;
+      run_cols<T, 4>(x, M, K, w, ldw, done, bias, y, N);
+      break;
+    default:
+      break;
+  }
+  if (done < N)
+    run_dots<T>(tiles, x, M, K, w + done * ldw, ldw, N - done, bias ? bias + done : nullptr, y + done, N,
+                bf16 ? 32 : 16);
 }
 
 template <typename T>
@@ -450,12 +599,12 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& weight, const c10::
 #ifdef CANN_GEMV
   const float* bp = fbias.defined() ? fbias.data_ptr<float>() : nullptr;
   if (dtype == at::kBFloat16) {
-    run_dots<uint16_t>(kBf16Dots, reinterpret_cast<const uint16_t*>(x2.data_ptr()), M, K,
-                       reinterpret_cast<const uint16_t*>(weight.data_ptr()), weight.stride(0), N, bp,
-                       reinterpret_cast<uint16_t*>(y.data_ptr()), 32);
+    run_dot_linear<uint16_t>(kBf16Dots, reinterpret_cast<const uint16_t*>(x2.data_ptr()), M, K,
+                             reinterpret_cast<const uint16_t*>(weight.data_ptr()), weight.stride(0), N, bp,
+                             reinterpret_cast<uint16_t*>(y.data_ptr()));
   } else {
-    run_dots<float>(kF32Dots, x2.data_ptr<float>(), M, K, weight.data_ptr<float>(), weight.stride(0), N, bp,
-                    y.data_ptr<float>(), 16);
+    run_dot_linear<float>(kF32Dots, x2.data_ptr<float>(), M, K, weight.data_ptr<float>(), weight.stride(0), N, bp,
+                          y.data_ptr<float>());
   }
 #endif
   return y;
