@@ -1,7 +1,7 @@
 """Decode GEMMs alone: the project's kernel (`cann_cpu::rows_linear`, and in bf16 on a CPU with AMX
 its AMX loop `cann_cpu::amx_linear`) vs oneDNN on packed weights (vs aten's linear where oneDNN
 cannot run the dtype natively: bf16 on an AVX2 CPU); and the eager path's kernels on the weights as
-stored (`cann_cpu::gemv` for 1-4 rows, `cann_cpu::dot_linear` for 5-64 on an AVX-512 CPU without
+stored (`cann_cpu::gemv` for 1-4 rows, `cann_cpu::dot_linear` for 3-64 on an AVX-512 CPU without
 AMX) next to what the eager path ran before them there (aten's linear in bf16, oneDNN's in fp32).
 
 Why: a batched decode step is one pass over every projection with M = batch rows. This times that
@@ -128,8 +128,8 @@ def main(argv=None) -> int:
             methods["amx"] = (amx_pass, blocks)
         if rows <= eager_linear.GEMV_MAX_ROWS and eager_linear.gemv_runs(dtype):  # eager's few-row kernel
             methods["gemv"] = (gemv_pass, [])
-        if eager_linear.GEMV_MAX_ROWS < rows <= eager_linear.DOT_MAX_ROWS and eager_linear.dot_runs(dtype):
-            methods["dot (stored)"] = (dot_pass, [])  # eager's 5-64 rows; before it, on the weight as stored:
+        if eager_linear.DOT_MIN_ROWS <= rows <= eager_linear.DOT_MAX_ROWS and eager_linear.dot_runs(dtype):
+            methods["dot (stored)"] = (dot_pass, [])  # eager's 3-64 rows; before it, on the weight as stored:
             methods["aten (stored)" if dtype == torch.bfloat16 else "oneDNN (stored)"] = (
                 aten_pass if dtype == torch.bfloat16 else stored_onednn_pass,
                 [],

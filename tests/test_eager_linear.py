@@ -1,6 +1,6 @@
 """Large linears that run eagerly on CPU (executor.backends.eager_linear): fp32 GEMMs go through
 oneDNN, products of 1-4 rows in bf16 and fp32 through the `cann_cpu::gemv` kernel (AVX-512 or
-AVX2), of 5-64 rows through `cann_cpu::dot_linear` on an AVX-512 CPU without AMX, bf16 GEMMs
+AVX2), of 3-64 rows through `cann_cpu::dot_linear` on an AVX-512 CPU without AMX, bf16 GEMMs
 through `cann_cpu::rows_linear` where oneDNN would emulate bf16, and 2-64 bf16 rows through
 `cann_cpu::amx_linear` on a CPU with AMX.
 
@@ -89,7 +89,8 @@ def test_many_bf16_rows_go_to_the_rows_kernel_only_where_onednn_would_emulate_bf
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("shape", [(1, 1, 250), (4, 250), (1, 3, 250)])
-def test_one_to_four_rows_run_the_gemv_kernel(dtype, shape):
+def test_one_to_four_rows_run_the_few_row_kernels(dtype, shape):
+    """The GEMV kernel, or dot_linear for 3-4 rows where it runs."""
     if not eager_linear.gemv_runs(dtype):
         pytest.skip("neither AVX-512 nor AVX2 here, or no compiler for the kernel")
     torch.manual_seed(0)
@@ -103,16 +104,18 @@ def test_one_to_four_rows_run_the_gemv_kernel(dtype, shape):
         mode.linear(x, big.weight.t().contiguous().t(), big.bias)  # columns contiguous: not the kernel's layout
     rows = math.prod(shape[:-1])
     mkl = rows == 1 and eager_linear.aten_takes_single_rows(dtype)  # a CPU with AMX: fp32's single rows
-    assert mode.gemv_calls == int(rows <= eager_linear.gemv_max_rows() and not mkl)  # AMX: bf16's single rows
+    dot = rows >= eager_linear.DOT_MIN_ROWS and eager_linear.dot_runs(dtype)
+    assert mode.gemv_calls == int(rows <= eager_linear.gemv_max_rows(dtype) and not mkl)  # AMX: bf16's single rows
+    assert mode.dot_calls == int(dot)  # 3-4 rows where dot_linear runs
     assert got.shape == (*shape[:-1], 2 * LARGE) and got.dtype == dtype
     err, aten_err = (got.double() - want).abs().max(), (aten.double() - want).abs().max()
     assert err <= 1.5 * aten_err + (1e-6 if dtype == torch.float32 else 1e-3)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("rows", [5, 6, 7, 16, 17, 32, 48, 64])
-def test_five_to_64_rows_run_dot_linear(dtype, rows):
-    """Both loops: the tiles (5-7 rows: one tile of rows, 16-17: balanced tiles; N = 4k + 3: a last
+@pytest.mark.parametrize("rows", [3, 5, 6, 7, 16, 17, 32, 48, 64])
+def test_three_to_64_rows_run_dot_linear(dtype, rows):
+    """Both loops: the tiles (3-7 rows: one tile of rows, 16-17: balanced tiles; N = 4k + 3: a last
     block of three weight rows; K = 250: a masked tail) and the packed-x loop (32, 48, 64 rows: 2-4
     vectors of x; the last N % (24 / vectors) weight rows on the tiles), a bias and x with strided
     rows: as close to a double-precision reference as aten's linear is."""
@@ -156,7 +159,7 @@ def wide_ckpt(tmp_path_factory):
 
 
 def test_prefill_linears_match_hf(wide_ckpt, make_qwen_runner):
-    """The prompt's rows (5-64 of them) go to dot_linear on an AVX-512 CPU without AMX, to oneDNN
+    """The prompt's rows (3-64 of them) go to dot_linear on an AVX-512 CPU without AMX, to oneDNN
     elsewhere."""
     runner, ref = make_qwen_runner(wide_ckpt), ckpt.load_reference(wide_ckpt)
     dot = eager_linear.dot_runs(torch.float32)

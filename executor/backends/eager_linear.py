@@ -22,15 +22,16 @@ streamed the 0.6B shape's bf16 weights at 15-19 GB/s where the machine reads ~33
 It is built on the first call that needs it; where it cannot be, one line says so and aten
 runs those calls.
 
-Why a second loop for 5-64 rows on an AVX-512 CPU without AMX (`cann_cpu::dot_linear`, same
-source): the eager decode step at batch 5-64 (and a short prompt's prefill) is such a product. On
+Why a second loop for 3-64 rows on an AVX-512 CPU without AMX (`cann_cpu::dot_linear`, same
+source): the eager decode step at batch 3-64 (and a short prompt's prefill) is such a product. On
 the weight as stored aten's bf16 linear (oneDNN, reordering the weight per call) ran the 0.6B
 projections at 86-181 GFLOP/s at 5-16 rows and oneDNN's fp32 one at 45-96; the loop (tiles of 4
 weight rows x up to 6 rows of x, dot products along K) ran them 1.8-2.0x faster, level with the
 compiled modes' loop on a packed copy. From 28 rows x is packed once per call and each weight
 value broadcast to 2-4 vectors of 16 rows: 1.2-1.4x aten's rate at 24-64 rows. The eager step
 took 0.57x / 0.69x / 0.76x / 0.88x the time at bf16 batch 8 / 16 / 32 / 64, and 0.62x / 0.63x /
-0.81x / 0.85x in fp32 (BENCHMARKS.md, "twenty-seventh pass").
+0.81x / 0.85x in fp32; at batch 4 it took 0.84x (bf16) / 0.82x (fp32) the time of the GEMV
+kernel's 4-row loop (BENCHMARKS.md, "twenty-seventh pass").
 
 Why the AMX loop for 2-64 bf16 rows on a CPU with AMX (`cann_cpu::amx_linear` on the weight as
 stored, csrc/amx_linear.cpp): aten's linear reorders the weight for oneDNN on every call, and read
@@ -60,7 +61,7 @@ from executor.ops import reference
 from executor.platform import cpu_runs_bf16
 
 GEMV_MAX_ROWS = 4  # the kernel's limit (csrc/gemv.cpp)
-DOT_MAX_ROWS = 64  # dot_linear's limit (the same source)
+DOT_MIN_ROWS, DOT_MAX_ROWS = 3, 64  # the rows the eager path gives dot_linear (the same source; it takes 1-64)
 GEMV_DTYPES = (torch.bfloat16, torch.float32)
 GEMV_SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cpp"
 PLAIN_COLS = 16  # rows_linear's AVX2 loop, which alone takes a weight as stored (N a multiple of it)
@@ -114,7 +115,7 @@ def _large(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 @functools.cache
 def dot_runs(dtype: torch.dtype) -> bool:
-    """5-64 rows go to `cann_cpu::dot_linear`: bf16 or fp32 on a CPU with AVX-512 (AVX512-BF16 for
+    """3-64 rows go to `cann_cpu::dot_linear`: bf16 or fp32 on a CPU with AVX-512 (AVX512-BF16 for
     bf16) and without AMX, where it was measured (BENCHMARKS.md, "twenty-seventh pass"). With AMX
     bf16 has its AMX loop, and the AVX-512 loops lost to oneDNN there in fp32 ("twenty-fifth pass")."""
     return (
@@ -127,12 +128,18 @@ def dot_runs(dtype: torch.dtype) -> bool:
 
 
 @functools.cache
-def gemv_max_rows() -> int:
-    """The most rows the eager path gives the GEMV kernel: GEMV_MAX_ROWS, or one on a CPU with AMX.
-    There oneDNN ran the eager 0.6B-shape batch-4 step in 0.91x (bf16, aten's linear) and 0.96x
-    (fp32) of the time it took with the kernel, whose 4-row loop read the weights at 0.50-0.64 of a
-    sum's rate against oneDNN's 0.74-0.85 (BENCHMARKS.md, "twenty-fifth pass")."""
-    return 1 if cpu_has_amx() else GEMV_MAX_ROWS
+def gemv_max_rows(dtype: torch.dtype) -> int:
+    """The most rows the eager path gives the GEMV kernel: GEMV_MAX_ROWS; two where dot_linear runs
+    `dtype`, or one on a CPU with AMX.
+    - Where dot_linear runs, its tiles read the 0.6B shape's weights at 1.26x (bf16) / 1.43x (fp32)
+      the GEMV kernel's rate at 4 rows (3 rows: 1.03x / 1.21x), and the eager batch-4 step took
+      0.84x (bf16) / 0.82x (fp32) the time (BENCHMARKS.md, "twenty-seventh pass").
+    - On a CPU with AMX oneDNN ran the eager 0.6B-shape batch-4 step in 0.91x (bf16, aten's linear)
+      and 0.96x (fp32) of the time it took with the kernel, whose 4-row loop read the weights at
+      0.50-0.64 of a sum's rate against oneDNN's 0.74-0.85 ("twenty-fifth pass")."""
+    if cpu_has_amx():
+        return 1
+    return DOT_MIN_ROWS - 1 if dot_runs(dtype) else GEMV_MAX_ROWS
 
 
 @functools.cache
@@ -173,7 +180,7 @@ def rows_run_plain(dtype: torch.dtype) -> bool:
 class LinearKernel:
     """`linear` for the op table: the GEMV kernel for 1-4 rows (gemv_max_rows) of a large CPU
     weight in bf16 or fp32, except a single fp32 row on a CPU with AMX (aten_takes_single_rows);
-    5-64 rows on dot_linear (an AVX-512 CPU without AMX); for more rows oneDNN in fp32, and in bf16
+    3-64 rows on dot_linear (an AVX-512 CPU without AMX); for more rows oneDNN in fp32, and in bf16
     the AMX loop (2-64 rows, a CPU with AMX) or the rows kernel where oneDNN would emulate bf16;
     the reference otherwise. The counts are what metrics.json reports."""
 
@@ -189,13 +196,13 @@ class LinearKernel:
             rows = x.numel() // x.shape[-1]
             if rows == 1 and aten_takes_single_rows(weight.dtype):
                 return reference.linear(x, weight, bias)
-            if rows <= gemv_max_rows() and weight.stride(1) == 1 and gemv_runs(weight.dtype):
+            if rows <= gemv_max_rows(weight.dtype) and weight.stride(1) == 1 and gemv_runs(weight.dtype):
                 self.gemv_calls += 1
                 return torch.ops.cann_cpu.gemv.default(x, weight, bias)
             if weight.stride(1) == 1 and packed_linear.amx_fits(weight, rows):
                 self.amx_calls += 1
                 return torch.ops.cann_cpu.amx_linear.default(x, weight, bias)
-            if rows <= DOT_MAX_ROWS and weight.stride(1) == 1 and dot_runs(weight.dtype):
+            if DOT_MIN_ROWS <= rows <= DOT_MAX_ROWS and weight.stride(1) == 1 and dot_runs(weight.dtype):
                 self.dot_calls += 1
                 return torch.ops.cann_cpu.dot_linear.default(x, weight, bias)
             if weight.dtype == torch.float32 and packed_linear.supported(torch.float32):
@@ -210,7 +217,7 @@ class LinearKernel:
 
 def kernel_for(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str:
     """What a run's large linears get: "gemv+dot_linear+onednn" (fp32) or "gemv+dot_linear" (bf16)
-    on an AVX-512 CPU without AMX (GEMV for 1-4 rows, dot_linear for 5-64, oneDNN past that in
+    on an AVX-512 CPU without AMX (GEMV for 1-2 rows, dot_linear for 3-64, oneDNN past that in
     fp32), "onednn" (fp32 elsewhere), "gemv" (bf16: its few-row products), "gemv+amx_linear" (bf16
     on a CPU with AMX: the AMX loop takes 2-64 rows), "gemv+rows_linear" (bf16 where oneDNN would
     emulate it: the rows kernel takes the others) or "aten" (another device or dtype, or no weight

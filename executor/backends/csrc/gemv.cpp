@@ -104,9 +104,9 @@ CANN_F32_TARGET inline void f32_row(const float* x, int64_t ldx, const float* w,
   }
 }
 
-// --- 5 to 64 rows (cann_cpu::dot_linear): tiles of weight rows x rows of x, AVX-512 ---
+// --- Up to 64 rows (cann_cpu::dot_linear; the eager path gives it 3-64): tiles of weight rows x rows of x, AVX-512 ---
 // The row loops above read the weight once per call because every row of x stays in registers;
-// past four rows they no longer fit. A tile here is kTileW weight rows times up to kTileX rows of
+// past four rows they no longer fit (and at three or four, four weight rows at a time read faster). A tile here is kTileW weight rows times up to kTileX rows of
 // x: per 32 k values (bf16; 16 in fp32) it loads the kTileW weight rows' values and each x row's,
 // and adds kTileW x kTileX dot-product vectors (24 accumulators + 4 weights + 1 x <= 32 zmm). That
 // is the packed loop's ratio of loads to products (rows_linear: 4 weight vectors + 6 broadcasts per
