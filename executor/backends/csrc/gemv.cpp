@@ -109,12 +109,12 @@ CANN_F32_TARGET inline void f32_row(const float* x, int64_t ldx, const float* w,
 // past four rows they no longer fit (and at three or four rows, four weight rows at a time read
 // faster). A tile here is kTileW weight rows times up to kTileX rows of x: per 32 k values (bf16;
 // 16 in fp32) it loads the kTileW weight rows' values and each x row's, and adds kTileW x kTileX
-// dot-product vectors (24 accumulators + 4 weights + 1 x <= 32 zmm). That is the packed loop's ratio of loads to products (rows_linear: 4 weight vectors + 6 broadcasts per
-// 24), on the weight as stored, at the cost of one horizontal sum per output (sum4: ~3.5
-// instructions an output, against 32 products per output at K = 1024). A block of kTileW weight
-// rows is read from memory by its first tile of rows and from cache by the others, which prefetch
-// the next block (contiguous when the rows are) into L2 meanwhile, as run_tiles does for the
-// packed loop.
+// dot-product vectors (24 accumulators + 4 weights + 1 x <= 32 zmm). That is the packed loop's
+// ratio of loads to products (rows_linear: 4 weight vectors + 6 broadcasts per 24), on the weight
+// as stored, at the cost of one horizontal sum per output (sum4: ~3.5 instructions an output,
+// against 32 products per output at K = 1024). A block of kTileW weight rows is read from memory
+// by its first tile of rows and from cache by the others, which prefetch the next block
+// (contiguous when the rows are) into L2 meanwhile, as run_tiles does for the packed loop.
 constexpr int kTileW = 4;
 constexpr int kTileX = 6;
 constexpr int kDotMaxRows = 64;
