@@ -209,6 +209,16 @@ def test_left_out_custom_ops_are_chosen_by_the_cache_length_and_a_list_is_the_us
     for device, world in (("npu", 1), ("cuda", 1), ("cpu", 2)):  # measured on one CPU rank only
         chosen, why = custom_ops.resolve(None, device, 16 * at, world)
         assert chosen == () and "left out" in why, (device, world)
+        assert custom_ops.resolve(None, device, 8, world, "eager")[0] == (), (device, world)
+
+
+def test_eager_gets_decode_attention_at_any_cache_length():
+    """No compiled kernel to split in eager, so the length threshold does not apply there."""
+    assert custom_ops.load("decode_attention").auto_in_eager
+    chosen, why = custom_ops.resolve(None, "cpu", 8, 1, "eager")
+    assert chosen == ("decode_attention",) and "decode_attention in eager at any KV-cache length" in why
+    assert custom_ops.resolve(None, "cpu", 8, 1, "ge_graph")[0] == ()
+    assert custom_ops.resolve((), "cpu", 8, 1, "eager")[0] == ()  # [] is the user's
 
 
 def test_without_a_compiler_a_left_out_op_is_not_chosen_and_the_reason_is_said(tmp_path):
@@ -226,26 +236,33 @@ def test_without_a_compiler_a_left_out_op_is_not_chosen_and_the_reason_is_said(t
 
 
 def test_a_long_cache_gets_the_op_unless_the_config_lists_none(make_qwen_runner, qwen3_ckpt):
-    """End to end: left out, a 512-slot run layers the op and says so in its log and metrics; the
-    same run with `custom_ops: []` keeps the reference; both decode the same greedy tokens."""
+    """End to end: left out, a compiled run of 512 slots layers the op (a shorter one does not), an
+    eager run at any length, and says so in its log and metrics; the same run with `custom_ops: []`
+    keeps the reference; both decode the same greedy tokens. (The compiled runners are only
+    built: the op table is chosen before anything compiles.)"""
     at = custom_ops.load("decode_attention").auto_min_slots
     new = 4
-    long = [f"data_config.input_truncated_len={at - new}"]
-    chosen = make_qwen_runner(qwen3_ckpt, *long, max_new_tokens=new)
-    listed = make_qwen_runner(qwen3_ckpt, *long, "model_config.custom_ops=[]", max_new_tokens=new)
+    graph = "model_config.exe_mode=ge_graph"
+    long = make_qwen_runner(qwen3_ckpt, f"data_config.input_truncated_len={at - new}", graph, max_new_tokens=new)
+    short = make_qwen_runner(qwen3_ckpt, graph, max_new_tokens=new)  # 24 + 4 slots
+    assert long.context.op_table == "reference+decode_attention" and short.context.op_table == "reference"
+    assert f"decode_attention at {at} KV-cache slots" in long.custom_ops_note
+    assert f"decode_attention from {at} KV-cache slots, this run has 28" in short.custom_ops_note
+    chosen = make_qwen_runner(qwen3_ckpt, "model_config.exe_mode=eager", max_new_tokens=new)
+    listed = make_qwen_runner(
+        qwen3_ckpt, "model_config.exe_mode=eager", "model_config.custom_ops=[]", max_new_tokens=new
+    )
     assert chosen.context.op_table == "reference+decode_attention" and listed.context.op_table == "reference"
     assert chosen.cfg.model_config.custom_ops == ("decode_attention",) and listed.cfg.model_config.custom_ops == ()
     chosen.stream = io.StringIO()
     metrics = chosen.run()
     assert metrics["ops"]["attention"] == "executor.custom_ops.decode_attention.attention"
     assert metrics["custom_ops"]["chosen"] == ["decode_attention"] and "left out" in metrics["custom_ops"]["why"]
-    assert f"[run] custom ops: decode_attention (model_config.custom_ops left out: decode_attention at {at}" in (
+    assert "[run] custom ops: decode_attention (model_config.custom_ops left out: decode_attention in eager" in (
         chosen.stream.getvalue()
     )
     prompts = chosen.encode_prompts()
     assert chosen.generate(prompts, new).token_ids == listed.generate(prompts, new).token_ids
-    short = make_qwen_runner(qwen3_ckpt, max_new_tokens=new)  # 24 + 4 slots
-    assert short.context.op_table == "reference"
 
 
 def test_no_cuda_kernel_is_refused_naming_the_op():

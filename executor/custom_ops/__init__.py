@@ -41,6 +41,9 @@ class CustomOp:
     # custom_ops left out: a CPU run of one rank whose static KV cache has at least this many
     # slots gets the op (where its kernel measured faster than the base table's); 0 = never
     auto_min_slots: int = 0
+    # ... and an eager one at any cache length (auto_min_slots > 0 only): a threshold that exists
+    # because the op's extern call splits a compiled graph's fused kernels has no reason in eager
+    auto_in_eager: bool = False
 
     @property
     def library(self) -> str:
@@ -115,15 +118,17 @@ def check_runnable(names: Sequence[str], device: str, exe_mode: str) -> None:
             check_buildable(op.qualname, op.library, list(op.sources))
 
 
-def resolve(names: Sequence[str] | None, device: str, kv_slots: int, world: int) -> tuple[tuple[str, ...], str]:
+def resolve(
+    names: Sequence[str] | None, device: str, kv_slots: int, world: int, exe_mode: str = "ge_graph"
+) -> tuple[tuple[str, ...], str]:
     """The custom ops a run layers on its op table, and one line saying why.
 
     `names` is model_config.custom_ops. A list, even an empty one, is the user's and is taken as
     given (the pre-flight then refuses what cannot run). Left out (None), the ops that pay at this
-    run's static cache length are chosen (`CustomOp.auto_min_slots`): on CPU and one rank only,
-    where they were measured, and only where the kernel is built or can be built here, since
-    nobody asked for it and a missing compiler must not stop the run. Each op's entry says why
-    its threshold is where it is.
+    run's static cache length are chosen (`CustomOp.auto_min_slots`; in eager at any length where
+    `CustomOp.auto_in_eager`): on CPU and one rank only, where they were measured, and only where
+    the kernel is built or can be built here, since nobody asked for it and a missing compiler
+    must not stop the run. Each op's entry says why its threshold is where it is.
     """
     if names is not None:
         return tuple(names), f"custom ops: {', '.join(names) or 'none'} (model_config.custom_ops)"
@@ -136,7 +141,8 @@ def resolve(names: Sequence[str] | None, device: str, kv_slots: int, world: int)
         op = load(name)
         if not op.auto_min_slots:
             continue
-        if kv_slots < op.auto_min_slots:
+        eager = exe_mode == "eager" and op.auto_in_eager
+        if kv_slots < op.auto_min_slots and not eager:
             why.append(f"{name} from {op.auto_min_slots} KV-cache slots, this run has {kv_slots}")
             continue
         from executor.custom_ops._build import check_buildable
@@ -147,7 +153,11 @@ def resolve(names: Sequence[str] | None, device: str, kv_slots: int, world: int)
             why.append(f"{name} not chosen: {exc}")
             continue
         chosen.append(name)
-        why.append(f"{name} at {kv_slots} KV-cache slots (>= {op.auto_min_slots})")
+        why.append(
+            f"{name} in eager at any KV-cache length"
+            if eager
+            else f"{name} at {kv_slots} KV-cache slots (>= {op.auto_min_slots})"
+        )
     detail = "; ".join(why) + ("; [] runs without" if chosen else "") or "none is chosen"
     return tuple(chosen), f"custom ops: {', '.join(chosen) or 'none'} ({left_out}: {detail})"
 
