@@ -66,7 +66,8 @@ OP = CustomOp(
     # batch 4-64 the step was level with the op within +-5% on the AVX2 host ("twenty-third pass").
     auto_min_slots=512,
     # In eager nothing is fused to split: at 64 slots the eager 0.6B step took 0.87x (bf16 batch 1),
-    # 0.85x (bf16 batch 16) and 0.89x (fp32 batch 16) the time with the op, where the reference
-    # ran two bmm calls of ~280 us per layer at batch 16 (AVX-512 host; "twenty-seventh pass").
+    # 0.85x / 0.86x (bf16 batch 16 / 64) and 0.89x (fp32 batch 16) the time with the op, where the
+    # reference ran two bmm calls of ~280 us per layer at batch 16 (AVX-512 host; "twenty-seventh
+    # pass"; unmeasured on the AVX2 and AMX hosts).
     auto_in_eager=True,
 )
