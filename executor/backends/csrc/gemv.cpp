@@ -539,19 +539,35 @@ bool gemv_supported(at::ScalarType dtype) {
   return false;
 }
 
-at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+// What gemv and dot_linear check and prepare alike: a bf16 or fp32 weight (N, K) as stored, rows
+// contiguous, x of its dtype as (M, K) contiguous rows with 1 <= M <= max_rows, the bias in fp32
+// and y allocated. `supported` is whether this CPU runs the op's loop for the dtype, `missing`
+// what it lacks otherwise; `op` names the kernel in every message.
+struct StoredCall {
+  at::ScalarType dtype;
+  at::Tensor x2, fbias, y;
+  int64_t M, N, K;
+};
+
+StoredCall stored_call(const char* op, const at::Tensor& x, const at::Tensor& weight,
+                       const c10::optional<at::Tensor>& bias, bool supported, const char* missing, int64_t max_rows) {
   const at::ScalarType dtype = weight.scalar_type();
-  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "gemv: the weight must be bf16 or fp32");
-  TORCH_CHECK(x.scalar_type() == dtype, "gemv: x is ", x.scalar_type(), ", the weight ", dtype);
-  TORCH_CHECK(gemv_supported(dtype), "gemv: this CPU has neither AVX-512 nor AVX2 and FMA");
-  TORCH_CHECK(weight.dim() == 2 && weight.stride(1) == 1, "gemv: the weight must be (N, K) with contiguous rows");
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, op, ": the weight must be bf16 or fp32");
+  TORCH_CHECK(x.scalar_type() == dtype, op, ": x is ", x.scalar_type(), ", the weight ", dtype);
+  TORCH_CHECK(supported, op, ": this CPU has ", missing);
+  TORCH_CHECK(weight.dim() == 2 && weight.stride(1) == 1, op, ": the weight must be (N, K) with contiguous rows");
   const int64_t N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(x.size(-1) == K, "gemv: x has ", x.size(-1), " columns, the weight ", K);
-  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  TORCH_CHECK(x.size(-1) == K, op, ": x has ", x.size(-1), " columns, the weight ", K);
+  at::Tensor x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
-  TORCH_CHECK(M >= 1 && M <= kMaxRows, "gemv: takes 1 to ", kMaxRows, " rows, got ", M);
-  const at::Tensor fbias = cann::fp32_bias(bias, N, "gemv");
-  at::Tensor y = cann::linear_output(x, N);
+  TORCH_CHECK(M >= 1 && M <= max_rows, op, ": takes 1 to ", max_rows, " rows, got ", M);
+  return {dtype, x2, cann::fp32_bias(bias, N, op), cann::linear_output(x, N), M, N, K};
+}
+
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  const at::ScalarType wtype = weight.scalar_type();
+  const auto [dtype, x2, fbias, y, M, N, K] =
+      stored_call("gemv", x, weight, bias, gemv_supported(wtype), "neither AVX-512 nor AVX2 and FMA", kMaxRows);
 #ifdef CANN_GEMV
   const float* bp = fbias.defined() ? fbias.data_ptr<float>() : nullptr;
   if (!avx512_for(dtype)) {
@@ -584,19 +600,10 @@ bool dot_linear_supported(at::ScalarType dtype) {
 }
 
 at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  const at::ScalarType dtype = weight.scalar_type();
-  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "dot_linear: the weight must be bf16 or fp32");
-  TORCH_CHECK(x.scalar_type() == dtype, "dot_linear: x is ", x.scalar_type(), ", the weight ", dtype);
-  TORCH_CHECK(dot_linear_supported(dtype), "dot_linear: this CPU has no ",
-              dtype == at::kBFloat16 ? "AVX512-BF16" : "AVX-512");
-  TORCH_CHECK(weight.dim() == 2 && weight.stride(1) == 1, "dot_linear: the weight must be (N, K) with contiguous rows");
-  const int64_t N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(x.size(-1) == K, "dot_linear: x has ", x.size(-1), " columns, the weight ", K);
-  const at::Tensor x2 = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0);
-  TORCH_CHECK(M >= 1 && M <= kDotMaxRows, "dot_linear: takes 1 to ", kDotMaxRows, " rows, got ", M);
-  const at::Tensor fbias = cann::fp32_bias(bias, N, "dot_linear");
-  at::Tensor y = cann::linear_output(x, N);
+  const at::ScalarType wtype = weight.scalar_type();
+  const auto [dtype, x2, fbias, y, M, N, K] =
+      stored_call("dot_linear", x, weight, bias, dot_linear_supported(wtype),
+                  wtype == at::kBFloat16 ? "no AVX512-BF16" : "no AVX-512", kDotMaxRows);
 #ifdef CANN_GEMV
   const float* bp = fbias.defined() ? fbias.data_ptr<float>() : nullptr;
   if (dtype == at::kBFloat16) {
