@@ -421,7 +421,10 @@ class ModelRunner:
             import contextlib
 
             return contextlib.nullcontext()
-        return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.platform.kind == "cuda":  # the kernels themselves: a CPU-only trace shows launches, not GPU time
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        return torch.profiler.profile(activities=activities)
 
     def _summarise_decode(self, gen: Generation) -> float | None:
         """Log the decode average, the throughput and the run's shape; returns tokens/s. Steps that
