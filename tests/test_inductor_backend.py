@@ -1,7 +1,8 @@
-"""The graph passes the CPU graph mode runs before Inductor (executor.backends.graph_passes and
+"""The graph passes graph mode runs before Inductor (executor.backends.graph_passes and
 executor.backends.packed_linear): single-row GEMVs become generated reductions, batched ones
 oneDNN (or kernel) calls on weights packed once, the decode attention's small products
-reductions, and values several kernels read are stored once.
+reductions, and values several kernels read are stored once. A graph compiled for CUDA gets the
+GEMV rewrite (every single-row linear) and the stored values only.
 
 The tiny test models never reach the size where the GEMM rewrites apply, so this checks them
 directly: which nodes they take, and that compiled code computes the same thing, with and
@@ -21,6 +22,7 @@ from executor.backends.graph_passes import (
     _gemv_to_reduction,
     _store_shared_opaque_inputs,
     _store_shared_trig,
+    before_inductor,
 )
 from executor.backends.inductor import compile_inductor
 from executor.ops import reference
@@ -58,6 +60,27 @@ def test_a_gemv_inductor_decomposes_is_rewritten_only_where_it_does_not(launch_u
     assert max(mid.weight.shape) <= INDUCTOR_DECOMPOSE_MAX_DIM
     gm = _trace(lambda x: mid(x), torch.randn(1, 1, 512))
     assert _gemv_to_reduction(gm, decomposes_small=launch_unit) == (0 if launch_unit else 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_cuda_every_single_row_linear_becomes_a_reduction(dtype):
+    """On CUDA cuBLAS takes every linear Inductor leaves alone, so small single-row ones are
+    rewritten too, and never into the CPU GEMV kernel (whatever the host CPU): batched rows stay
+    cuBLAS's. The graph is traced on CPU; the rewrite looks only at shapes and the device name."""
+    big = torch.nn.Linear(64, INDUCTOR_DECOMPOSE_MAX_DIM + 64).to(dtype)
+    small = torch.nn.Linear(64, 32, bias=False).to(dtype)
+    x, y = torch.randn(1, 1, 64).to(dtype), torch.randn(2, 64).to(dtype)
+    graphs = []
+    fn = lambda x, y: (big(x), small(x), big(y))  # noqa: E731
+    torch.compile(fn, backend=lambda gm, inputs: graphs.append((gm, inputs)) or gm.forward, fullgraph=True)(x, y)
+    gm, inputs = graphs[0]
+    before_inductor(gm, "cuda")  # what a graph compiled for CUDA gets
+    targets = [n.target for n in gm.graph.nodes]
+    assert targets.count(torch._C._nn.linear) == 1  # big(y): two rows; big(x) and small(x) are reductions
+    assert torch.ops.cann_cpu.gemv.default not in targets
+    assert targets.count(torch.ops.prims.inductor_force_stride_order.default) == 2  # each row stored first
+    for g, w in zip(gm(*inputs), fn(x, y)):
+        torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("superkernel", [False, True])
