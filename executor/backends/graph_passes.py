@@ -53,14 +53,16 @@ def _gemv_to_reduction(gm: torch.fx.GraphModule, decomposes_small: bool = False,
     instead (`cann_cpu::gemv`; eager_linear.gemv_in_graphs says why).
 
     On CUDA (`device`) every single-row linear is rewritten, small ones too: there Inductor sends
-    each to cuBLAS, whose M = 1 kernels read the 0.6B shape's 2-6 MB projections at about a third
-    of the HBM rate (~5.7 us each on an H100) and split the 3072-deep ones into a split-K kernel
+    each to cuBLAS, whose M = 1 kernels read the 0.6B shape's 4-13 MB projections at 0.7-2.2 TB/s
+    on an H100 that streams ~2.7 (~5.7 us each), and split the 3072-deep one into a split-K kernel
     plus a reduction kernel, while the generated reductions are one kernel each, fused with what
     precedes them. The 0.6B bf16 batch-1 step went from 409 to 378 kernels and from 1.22 to 1.05
-    ms of GPU time; SK decoder from 2.14 to 1.53 ms/step, ge_graph from 9.7 to 5.7 (BENCHMARKS.md,
-    "CUDA: one NVIDIA H100"). Returns how many linears were rewritten either way.
+    ms of GPU time, and SK decoder from 2.14 to 1.53 ms/step (BENCHMARKS.md, "CUDA: one NVIDIA
+    H100"; ge_graph went from 9.7 to 5.7 with the attention's products rewritten too, which graphs
+    compiled for CUDA do not get: 1% of SK decoder's step at batch 1, unmeasured past it). Returns how many linears were
+    rewritten either way.
     """
-    rewritten = 0
+    rewritten, cpu = 0, device == "cpu"
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not torch._C._nn.linear:
             continue
@@ -71,7 +73,6 @@ def _gemv_to_reduction(gm: torch.fx.GraphModule, decomposes_small: bool = False,
         if not isinstance(value, torch.Tensor) or value.numel() != value.shape[-1] or weight is None:
             continue
         large = weight.numel() >= MIN_WEIGHT_NUMEL and weight.dim() == 2
-        cpu = device == "cpu"
         if cpu and large and value.dtype == weight.dtype and weight.stride(-1) == 1 and gemv_in_graphs(weight.dtype):
             call_instead(gm, node, torch.ops.cann_cpu.gemv.default)
             rewritten += 1
