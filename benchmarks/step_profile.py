@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -110,34 +111,34 @@ def profile_mode(args, mode: str) -> dict:
     return summary
 
 
-def host_events(prof, steps: int) -> list[tuple[str, float, float]]:
-    """The top-level CPU events inside each profiled step: (name, per step, us per step), by time."""
+def _per_step(events: Iterable[tuple[str, float]], steps: int) -> list[tuple[str, float, float]]:
+    """(name, us) events grouped by name: (name, count per step, us per step), the most time first."""
     by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for step in (e for e in prof.events() if e.name == STEP and e.device_type == torch.autograd.DeviceType.CPU):
-        for e in step.cpu_children:
-            by_name[e.name][0] += 1
-            by_name[e.name][1] += e.cpu_time_total
+    for name, us in events:
+        by_name[name][0] += 1
+        by_name[name][1] += us
     return [(name, c / steps, t / steps) for name, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])]
 
 
-def summarise(prof, device_kernels: bool, steps: int) -> dict:
-    """Per step: kernels (CUDA) or top-level CPU events, their busy time, and the top ones by time."""
-    if not device_kernels:
-        top = host_events(prof, steps)
-        return {"per_step": sum(n for _, n, _ in top), "busy_ms": sum(us for *_, us in top) / 1e3, "top": top}
-    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for e in prof.events():  # the kernels (a CUDA graph's too), not the step's own GPU-side range
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.name != STEP:
-            by_name[e.name][0] += 1
-            by_name[e.name][1] += e.device_time
-    count = sum(c for c, _ in by_name.values())
-    busy_us = sum(t for _, t in by_name.values())
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])
-    return {
-        "per_step": count / steps,
-        "busy_ms": busy_us / steps / 1e3,
-        "top": [(name, c / steps, t / steps) for name, (c, t) in top],
-    }
+def host_events(prof, steps: int) -> list[tuple[str, float, float]]:
+    """The top-level CPU events inside each profiled step, by CPU time."""
+    cpu = torch.autograd.DeviceType.CPU
+    steps_ev = [e for e in prof.events() if e.name == STEP and e.device_type == cpu]
+    return _per_step(((e.name, e.cpu_time_total) for step in steps_ev for e in step.cpu_children), steps)
+
+
+def device_kernels(prof, steps: int) -> list[tuple[str, float, float]]:
+    """The GPU kernels of the profiled steps (a CUDA graph's too; not the step's own GPU-side range)."""
+    cuda = torch.autograd.DeviceType.CUDA
+    return _per_step(
+        ((e.name, e.device_time) for e in prof.events() if e.device_type == cuda and e.name != STEP), steps
+    )
+
+
+def summarise(prof, device: bool, steps: int) -> dict:
+    """Per step: kernels (`device`: CUDA) or top-level CPU events, their busy time, the top ones by time."""
+    top = device_kernels(prof, steps) if device else host_events(prof, steps)
+    return {"per_step": sum(n for _, n, _ in top), "busy_ms": sum(us for *_, us in top) / 1e3, "top": top}
 
 
 def short(name: str, width: int = 90) -> str:
