@@ -46,7 +46,7 @@ constexpr int64_t kGrain = 256;  // outputs per parallel chunk, at least
 
 #ifdef CANN_GEMV
 #define CANN_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-#define CANN_F32_TARGET __attribute__((target("avx512f")))
+#define CANN_F32_TARGET __attribute__((target("avx512f,avx512vl")))  // VL: sum4 and the tiles' 128-bit masked ops
 
 // Output n of MB rows, bf16: the weight row read front to back (consecutive rows are consecutive
 // memory, so a thread's share of the weight is one sequential stream), 4 x 32 k values per step
