@@ -205,8 +205,10 @@ class _CudaGraphUnit:
             self.out = fn(*self.static)
 
     def __call__(self, *args):
+        # Most inputs are the very tensors captured (weights, the KV cache: ~290 of the 0.6B shape's
+        # decoder scope), so the identity test settles them before the pointer comparison.
         for buf, arg in zip(self.static, args):
-            if isinstance(arg, torch.Tensor) and arg.data_ptr() != buf.data_ptr():
+            if arg is not buf and isinstance(arg, torch.Tensor) and arg.data_ptr() != buf.data_ptr():
                 buf.copy_(arg)
         self.graph.replay()
         if isinstance(self.out, torch.Tensor):
