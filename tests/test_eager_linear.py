@@ -1,6 +1,7 @@
 """Large linears that run eagerly on CPU (executor.backends.eager_linear): fp32 GEMMs go through
 oneDNN, products of 1-4 rows in bf16 and fp32 through the `cann_cpu::gemv` kernel (AVX-512 or
-AVX2), of 3-64 rows through `cann_cpu::dot_linear` on an AVX-512 CPU without AMX, bf16 GEMMs
+AVX2), of 3-64 rows through `cann_cpu::dot_linear` on a CPU without AMX (AVX-512 or AVX2; 3-7 in
+bf16 on the AVX2 loop), bf16 GEMMs
 through `cann_cpu::rows_linear` where oneDNN would emulate bf16, and 2-64 bf16 rows through
 `cann_cpu::amx_linear` on a CPU with AMX.
 
@@ -13,6 +14,7 @@ demand.
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 import tests.checkpoints as ckpt
 from executor.backends import eager_linear, packed_linear
 from executor.backends.eager_linear import LinearKernel
+from executor.custom_ops import _build
 from tests.fresh_python import run_code
 from tests.test_qwen_dense import PROMPT, assert_close_logits, hf_logits
 
@@ -59,7 +62,8 @@ def test_many_bf16_rows_go_to_the_rows_kernel_only_where_onednn_would_emulate_bf
     """Where oneDNN runs bf16 natively, aten's linear (which calls it) keeps them, except up to 64
     rows: on a CPU with AMX the AMX loop takes those of a weight of whole 64-row blocks as stored, on
     another AVX512-BF16 CPU dot_linear takes any weight as stored; where oneDNN would emulate bf16
-    (an AVX2 host), the rows kernel takes a weight of whole 16-row blocks as stored."""
+    (an AVX2 host), the rows kernel takes a weight of whole 16-row blocks as stored (dot_linear's AVX2
+    loop only up to 7 rows)."""
     torch.manual_seed(0)
     big = torch.nn.Linear(256, LARGE).to(torch.bfloat16)
     x = torch.randn(8, 256).to(torch.bfloat16)
@@ -74,7 +78,8 @@ def test_many_bf16_rows_go_to_the_rows_kernel_only_where_onednn_would_emulate_bf
     amx = packed_linear.amx_runs()
     assert plain == (takes and packed_linear.kernel_runs(torch.bfloat16))
     assert not (plain and amx)
-    dot = int(eager_linear.dot_runs(torch.bfloat16))  # the sliced weight is just below the size limit
+    # 8 rows: dot_linear's AVX2 loop leaves them to the rows kernel; the sliced weight is just below the size limit
+    dot = int(eager_linear.dot_runs(torch.bfloat16) and eager_linear.dot_max_rows(torch.bfloat16) >= 8)
     assert not (dot and (plain or amx))
     assert (mode.onednn_calls, mode.gemv_calls, mode.rows_calls, mode.amx_calls, mode.dot_calls) == (
         0,
@@ -120,7 +125,7 @@ def test_three_to_64_rows_run_dot_linear(dtype, rows):
     vectors of x; the last N % (24 / vectors) weight rows on the tiles), a bias and x with strided
     rows: as close to a double-precision reference as aten's linear is."""
     if not eager_linear.dot_runs(dtype):
-        pytest.skip("dot_linear runs on a CPU with AVX-512 (AVX512-BF16 for bf16) and without AMX")
+        pytest.skip("dot_linear runs on a CPU with AVX-512 or AVX2 and FMA, without AMX")
     torch.manual_seed(0)
     big = torch.nn.Linear(250, 2 * LARGE + 3).to(dtype)
     x = torch.randn(rows, 500).to(dtype)[:, ::2]
@@ -128,18 +133,39 @@ def test_three_to_64_rows_run_dot_linear(dtype, rows):
     mode = LinearKernel()
     with torch.no_grad():
         aten = F.linear(x, big.weight, big.bias)
-        got = mode.linear(x, big.weight, big.bias)
+        got = torch.ops.cann_cpu.dot_linear(x, big.weight, big.bias)  # either loop takes 1-64 rows
+        mode.linear(x, big.weight, big.bias)
         mode.linear(torch.randn(65, 250).to(dtype), big.weight, big.bias)  # past its rows: oneDNN / aten
-    assert mode.dot_calls == 1 and mode.gemv_calls == 0
-    assert mode.onednn_calls == int(dtype == torch.float32)
+    routed = rows <= eager_linear.dot_max_rows(dtype)  # the AVX2 loop: 3-32 fp32 rows, 3-7 bf16 ones
+    assert mode.dot_calls == int(routed) and mode.gemv_calls == 0
+    assert mode.onednn_calls == (2 - routed) * (dtype == torch.float32)
     assert got.shape == (rows, 2 * LARGE + 3) and got.dtype == dtype
     err, aten_err = (got.double() - want).abs().max(), (aten.double() - want).abs().max()
     assert err <= 1.5 * aten_err + (1e-6 if dtype == torch.float32 else 1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_dot_linear_every_tile_shape(dtype):
+    """Every tile of either loop: 1-13 rows of x (AVX2: tiles of 1-4 rows; AVX-512: 1-6), N = 3k,
+    3k + 1, 3k + 2 (AVX2: a last block of 1-3 weight rows; AVX-512: 4k + 0-3), K with a tail past
+    the last whole 16 (AVX2: scalar; AVX-512: masked), with and without a bias."""
+    if not eager_linear.dot_runs(dtype):
+        pytest.skip("dot_linear runs on a CPU with AVX-512 or AVX2 and FMA, without AMX")
+    torch.manual_seed(0)
+    for rows, n, k, bias in [(1, 12, 37, True), (2, 13, 16, False), (3, 14, 250, True), (4, 15, 33, True),
+                             (5, 16, 64, False), (9, 17, 250, True), (13, 31, 19, True)]:  # fmt: skip
+        x, w = torch.randn(rows, k).to(dtype), torch.randn(n, k).to(dtype)
+        b = torch.randn(n).to(dtype) if bias else None
+        want = F.linear(x.double(), w.double(), None if b is None else b.double())
+        got = torch.ops.cann_cpu.dot_linear(x, w, b)
+        aten = F.linear(x, w, b)
+        err, aten_err = (got.double() - want).abs().max(), (aten.double() - want).abs().max()
+        assert err <= 1.5 * aten_err + (1e-5 if dtype == torch.float32 else 1e-2), (rows, n, k, bias)
+
+
 def test_dot_linear_refuses_what_it_does_not_take():
     if not eager_linear.dot_runs(torch.float32):
-        pytest.skip("dot_linear runs on a CPU with AVX-512 and without AMX")
+        pytest.skip("dot_linear runs on a CPU with AVX-512 or AVX2 and FMA, without AMX")
     w = torch.randn(8, 32)
     with pytest.raises(RuntimeError, match="1 to 64 rows"):
         torch.ops.cann_cpu.dot_linear(torch.randn(65, 32), w, None)
@@ -159,8 +185,8 @@ def wide_ckpt(tmp_path_factory):
 
 
 def test_prefill_linears_match_hf(wide_ckpt, make_qwen_runner):
-    """The prompt's rows (3-64 of them) go to dot_linear on an AVX-512 CPU without AMX, to oneDNN
-    elsewhere."""
+    """The prompt's rows (3-64 of them) go to dot_linear on a CPU without AMX (AVX-512 or AVX2), to
+    oneDNN elsewhere."""
     runner, ref = make_qwen_runner(wide_ckpt), ckpt.load_reference(wide_ckpt)
     dot = eager_linear.dot_runs(torch.float32)
     assert runner.prefill_kernels.linear_kernel == ("gemv+dot_linear+onednn" if dot else "onednn")
@@ -209,6 +235,8 @@ def test_bf16_takes_the_kernels_and_small_models_keep_aten(wide_ckpt, qwen3_ckpt
         if torch.cpu._is_avx512_bf16_supported()
         else "gemv"
         if native
+        else "gemv+dot_linear+rows_linear"
+        if eager_linear.dot_runs(torch.bfloat16)
         else "gemv+rows_linear"
     )
     assert runner.prefill_kernels.linear_kernel == want_kernel
@@ -218,6 +246,19 @@ def test_bf16_takes_the_kernels_and_small_models_keep_aten(wide_ckpt, qwen3_ckpt
         assert F.cosine_similarity(first, want, dim=0) > 0.99
         assert runner.prefill_kernels.to_metrics()["prefill_linears"]["rows_calls"] == 2  # gate_up, down
     assert make_qwen_runner(qwen3_ckpt).prefill_kernels.linear_kernel == "aten"  # every weight below the limit
+
+
+def test_the_linear_kernels_build_wherever_a_loop_of_theirs_runs():
+    """A kernel that cannot be built is said in one line and its calls go to aten: right on a host
+    without a compiler, a silent slowdown anywhere else. gemv.cpp once failed to build on every CPU
+    without AVX-512 (an AVX-512 function used AVX512-VL instructions its target did not name), and
+    the tests of its loops skipped there as if the CPU could not run them."""
+    if shutil.which(_build.compiler()) is None or shutil.which("ninja") is None:
+        pytest.skip("no C++ toolchain here: the kernels are not built, by design")
+    if not (_build.cpu_has_avx2() or _build.cpu_has_avx512(torch.float32)):
+        pytest.skip("no AVX2 or AVX-512 here: no loop of these kernels runs")
+    assert eager_linear.gemv_runs(torch.float32) and eager_linear.gemv_runs(torch.bfloat16)
+    assert packed_linear.kernel_runs(torch.float32)
 
 
 def test_the_avx512_only_kernel_is_not_built_where_it_cannot_run(tmp_path):

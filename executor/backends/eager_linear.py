@@ -33,6 +33,13 @@ took 0.57x / 0.69x / 0.76x / 0.88x the time at bf16 batch 8 / 16 / 32 / 64, and 
 0.81x / 0.85x in fp32; at batch 4 it took 0.84x (bf16) / 0.82x (fp32) the time of the GEMV
 kernel's 4-row loop (BENCHMARKS.md, "twenty-seventh pass").
 
+Why dot_linear's AVX2 loop on a CPU without AVX-512 (tiles of 3 weight rows x up to 4 rows of x in
+16 ymm registers, bf16 widened in registers as in the GEMV kernel's AVX2 loop): there oneDNN read
+the stored fp32 0.6B projections at 6-9 GB/s at 5-64 rows against a ~21 GB/s sum, and nothing else
+on that CPU did better; the loop ran them at 0.50-0.55x oneDNN's time at 5 rows, 0.63-0.71x at 16,
+0.84x at 32, and in bf16 at 0.74-0.90x the rows kernel's time at 5-7 rows, so it takes 3-32 fp32
+rows and 3-7 bf16 ones there (dot_max_rows; BENCHMARKS.md, "twenty-eighth pass").
+
 Why the AMX loop for 2-64 bf16 rows on a CPU with AMX (`cann_cpu::amx_linear` on the weight as
 stored, csrc/amx_linear.cpp): aten's linear reorders the weight for oneDNN on every call, and read
 the 0.6B projections at 0.41 of a sum's rate at 4-16 rows on the AMX host; the loop, with the
@@ -62,6 +69,7 @@ from executor.platform import cpu_runs_bf16
 
 GEMV_MAX_ROWS = 4  # the kernel's limit (csrc/gemv.cpp)
 DOT_MIN_ROWS, DOT_MAX_ROWS = 3, 64  # the rows the eager path gives dot_linear (the same source; it takes 1-64)
+AVX2_DOT_MAX_ROWS = {torch.bfloat16: 7, torch.float32: 32}  # dot_linear's AVX2 loop: see dot_max_rows
 GEMV_DTYPES = (torch.bfloat16, torch.float32)
 GEMV_SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cpp"
 PLAIN_COLS = 16  # rows_linear's AVX2 loop, which alone takes a weight as stored (N a multiple of it)
@@ -115,16 +123,28 @@ def _large(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 @functools.cache
 def dot_runs(dtype: torch.dtype) -> bool:
-    """3-64 rows go to `cann_cpu::dot_linear`: bf16 or fp32 on a CPU with AVX-512 (AVX512-BF16 for
-    bf16) and without AMX, where it was measured (BENCHMARKS.md, "twenty-seventh pass"). With AMX
-    bf16 has its AMX loop, and the AVX-512 loops lost to oneDNN there in fp32 ("twenty-fifth pass")."""
+    """3 rows and more (up to dot_max_rows) go to `cann_cpu::dot_linear`, bf16 or fp32, on a CPU
+    without AMX: its AVX-512 loop (AVX512-BF16 for bf16; BENCHMARKS.md, "twenty-seventh pass") or,
+    without those, its AVX2 loop ("twenty-eighth pass"). With AMX bf16 has its AMX loop, and the
+    AVX-512 loops lost to oneDNN there in fp32 ("twenty-fifth pass")."""
     return (
         dtype in GEMV_DTYPES
-        and cpu_has_avx512(dtype)
+        and (cpu_has_avx512(dtype) or cpu_has_avx2())
         and not cpu_has_amx()
         and _gemv_library()
         and bool(torch.ops.cann_cpu.dot_linear_supported(dtype))
     )
+
+
+@functools.cache
+def dot_max_rows(dtype: torch.dtype) -> int:
+    """The most rows the eager path gives dot_linear: DOT_MAX_ROWS on its AVX-512 loop, fewer on its
+    AVX2 one (AVX2_DOT_MAX_ROWS). There, in bf16, the loop widens every weight value in registers and
+    ran the 0.6B projections 0.74-0.90x the time of the rows kernel at 5-7 rows, level at 8, slower
+    from 12; in fp32 it ran them at 0.50-0.55x oneDNN's time at 5 rows, 0.63-0.71x at 16, 0.84x at
+    32 and level at 64, where the eager batch-64 step took 1.05x the time with it (batch 8 / 16:
+    0.56x / 0.59x; BENCHMARKS.md, "twenty-eighth pass")."""
+    return DOT_MAX_ROWS if cpu_has_avx512(dtype) else AVX2_DOT_MAX_ROWS[dtype]
 
 
 @functools.cache
@@ -133,7 +153,9 @@ def gemv_max_rows(dtype: torch.dtype) -> int:
     `dtype`, or one on a CPU with AMX.
     - Where dot_linear runs, its tiles read the 0.6B shape's weights at 1.26x (bf16) / 1.43x (fp32)
       the GEMV kernel's rate at 4 rows (3 rows: 1.03x / 1.21x), and the eager batch-4 step took
-      0.84x (bf16) / 0.82x (fp32) the time (BENCHMARKS.md, "twenty-seventh pass").
+      0.84x (bf16) / 0.82x (fp32) the time (BENCHMARKS.md, "twenty-seventh pass"). Its AVX2 loop took
+      0.78-0.98x (bf16) and 0.95-0.96x (fp32) of the GEMV kernel's time on them at 3-4 rows
+      ("twenty-eighth pass").
     - On a CPU with AMX oneDNN ran the eager 0.6B-shape batch-4 step in 0.91x (bf16, aten's linear)
       and 0.96x (fp32) of the time it took with the kernel, whose 4-row loop read the weights at
       0.50-0.64 of a sum's rate against oneDNN's 0.74-0.85 ("twenty-fifth pass")."""
@@ -180,7 +202,9 @@ def rows_run_plain(dtype: torch.dtype) -> bool:
 class LinearKernel:
     """`linear` for the op table: the GEMV kernel for 1-4 rows (gemv_max_rows) of a large CPU
     weight in bf16 or fp32, except a single fp32 row on a CPU with AMX (aten_takes_single_rows);
-    3-64 rows on dot_linear (an AVX-512 CPU without AMX); for more rows oneDNN in fp32, and in bf16
+    3-64 rows on dot_linear (a CPU without AMX; on its AVX2 loop 3-32 in fp32, 3-7 in bf16:
+    dot_max_rows); for more
+    rows oneDNN in fp32, and in bf16
     the AMX loop (2-64 rows, a CPU with AMX) or the rows kernel where oneDNN would emulate bf16;
     the reference otherwise. The counts are what metrics.json reports."""
 
@@ -202,7 +226,7 @@ class LinearKernel:
             if weight.stride(1) == 1 and packed_linear.amx_fits(weight, rows):
                 self.amx_calls += 1
                 return torch.ops.cann_cpu.amx_linear.default(x, weight, bias)
-            if DOT_MIN_ROWS <= rows <= DOT_MAX_ROWS and weight.stride(1) == 1 and dot_runs(weight.dtype):
+            if DOT_MIN_ROWS <= rows <= dot_max_rows(weight.dtype) and weight.stride(1) == 1 and dot_runs(weight.dtype):
                 self.dot_calls += 1
                 return torch.ops.cann_cpu.dot_linear.default(x, weight, bias)
             if weight.dtype == torch.float32 and packed_linear.supported(torch.float32):
@@ -216,21 +240,25 @@ class LinearKernel:
 
 
 def kernel_for(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str:
-    """What a run's large linears get: "gemv+dot_linear+onednn" (fp32) or "gemv+dot_linear" (bf16)
-    on an AVX-512 CPU without AMX (GEMV for 1-2 rows, dot_linear for 3-64, oneDNN past that in
-    fp32), "onednn" (fp32 elsewhere), "gemv" (bf16: its few-row products), "gemv+amx_linear" (bf16
-    on a CPU with AMX: the AMX loop takes 2-64 rows), "gemv+rows_linear" (bf16 where oneDNN would
-    emulate it: the rows kernel takes the others) or "aten" (another device or dtype, or no weight
-    large enough). Asking builds no kernel."""
+    """What a run's large linears get: "gemv+dot_linear+onednn" (fp32 on an AVX-512 or AVX2 CPU
+    without AMX: GEMV for 1-2 rows, dot_linear for 3-64 (AVX2: 3-32), oneDNN past that), "gemv+dot_linear" (bf16
+    on an AVX512-BF16 CPU without AMX), "onednn" (fp32 elsewhere), "gemv" (bf16: its few-row
+    products), "gemv+amx_linear" (bf16 on a CPU with AMX: the AMX loop takes 2-64 rows),
+    "gemv+dot_linear+rows_linear" (bf16 where oneDNN would emulate it: dot_linear's AVX2 loop takes
+    3-7 rows, the rows kernel more), "gemv+rows_linear" (the same without AVX2 for dot_linear) or
+    "aten" (another device or dtype, or no weight large enough). Asking builds no kernel."""
     large = any(p.dim() == 2 and p.numel() >= packed_linear.MIN_WEIGHT_NUMEL for p in model.parameters())
     if device.type != "cpu" or not large:
         return "aten"
-    if dtype in GEMV_DTYPES and cpu_has_avx512(dtype) and not cpu_has_amx():
-        return "gemv+dot_linear+onednn" if dtype == torch.float32 else "gemv+dot_linear"
+    dot = dtype in GEMV_DTYPES and (cpu_has_avx512(dtype) or cpu_has_avx2()) and not cpu_has_amx()
+    if dot and dtype == torch.float32:
+        return "gemv+dot_linear+onednn"
+    if dot and cpu_has_avx512(dtype):
+        return "gemv+dot_linear"
     if dtype == torch.float32 and packed_linear.supported(dtype):
         return "onednn"
     if dtype == torch.bfloat16 and not packed_linear.supported(dtype) and packed_linear.kernel_cols(dtype):
-        return "gemv+rows_linear"
+        return "gemv+dot_linear+rows_linear" if dot else "gemv+rows_linear"
     if dtype == torch.bfloat16 and cpu_has_amx():
         return "gemv+amx_linear"
     return "gemv" if dtype in GEMV_DTYPES else "aten"

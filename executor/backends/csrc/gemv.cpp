@@ -2,7 +2,8 @@
 // executor/backends/eager_linear.py).
 //
 // y = x W^T + b on a weight W (N, K) as stored (rows contiguous), in bf16 or fp32, accumulating in
-// fp32: gemv for one to four rows of x, dot_linear for up to 64 (AVX-512 only; further down).
+// fp32: gemv for one to four rows of x, dot_linear for up to 64 (further down), each with an AVX-512
+// loop and an AVX2 one.
 //
 // Why: the eager decode step and the prefill's last-token logits multiply a row or a few by
 // every weight, a stream over the weights. aten's linear streamed the Qwen3-0.6B bf16 weights at
@@ -427,6 +428,19 @@ CANN_AVX2_TARGET inline void load16(const void* wv, int64_t k, __m256& w0, __m25
   }
 }
 
+// Half h of load16's pair: one vector, so that a loop can hold fewer weights in registers (a bf16
+// weight's 32 bytes are read again for the second half, from L1).
+template <bool kBf16>
+CANN_AVX2_TARGET inline __m256 load8(const void* wv, int64_t k, int h) {
+  if constexpr (kBf16) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(wv) + k));
+    return _mm256_castsi256_ps(h == 0 ? _mm256_slli_epi32(raw, 16)
+                                      : _mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  } else {
+    return _mm256_loadu_ps(static_cast<const float*>(wv) + k + 8 * h);
+  }
+}
+
 // How far ahead in the weight row the bf16 AVX2 loop asks for its next line (into L1). In one
 // process against the loop without it (the 0.6B projections, 7 alternating rounds, two runs) it read
 // 1.05-1.11x faster at 1 row and 1.08-1.13x at 4; 4 KB ahead was slower at 1 row (0.84-0.90x). fp32
@@ -512,6 +526,103 @@ at::Tensor split_x(const at::Tensor& x) {
   return xf;
 }
 
+// --- dot_linear on AVX2: tiles of kAvx2TileW weight rows x up to kAvx2TileX rows of x ---
+// The AVX-512 tiles' design in 16 ymm registers: per 16 k values a tile loads each weight row's
+// values one 8-wide half at a time (load16's halves: k..k+7 and k+8..k+15 in fp32, even and odd k
+// in bf16, with x split to match) and FMAs them into 3 x 4 = 12 accumulators (+ 3 weights + 1 x).
+// A block of 3 weight rows (36 KB at K = 3072) is read from memory by its first tile of rows and
+// from L2 by the others. One horizontal sum per output; the k values past the last whole 16 are
+// summed in scalar code.
+constexpr int kAvx2TileW = 3;
+constexpr int kAvx2TileX = 4;
+
+template <int R, int S, bool kBf16>
+CANN_AVX2_TARGET inline void avx2_dots(const float* x, int64_t ldx, const void* wv, int64_t ldw, int64_t K,
+                                       const float* bias, void* yv, int64_t ldy, const char* pf, int pfl) {
+  const size_t wsize = kBf16 ? 2 : 4;
+  const char* w = static_cast<const char*>(wv);
+  __m256 acc[S][R];
+#pragma GCC unroll 4
+  for (int s = 0; s < S; ++s)
+#pragma GCC unroll 3
+    for (int r = 0; r < R; ++r) acc[s][r] = _mm256_setzero_ps();
+  const int64_t K16 = K / 16 * 16;
+  for (int64_t k = 0; k < K16; k += 16) {
+    prefetch_l2(pf, pfl);
+    pf += pfl * 64;
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {  // one half at a time: 12 accumulators + 3 weights + 1 x = 16 ymm
+      __m256 wr[R];
+#pragma GCC unroll 3
+      for (int r = 0; r < R; ++r) wr[r] = load8<kBf16>(w + r * ldw * wsize, k, h);
+#pragma GCC unroll 4
+      for (int s = 0; s < S; ++s) {
+        const __m256 xv = _mm256_loadu_ps(x + s * ldx + k + 8 * h);
+#pragma GCC unroll 3
+        for (int r = 0; r < R; ++r) acc[s][r] = _mm256_fmadd_ps(wr[r], xv, acc[s][r]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int s = 0; s < S; ++s)
+#pragma GCC unroll 3
+    for (int r = 0; r < R; ++r) {
+      const char* row = w + r * ldw * wsize;
+      float v = hsum8(acc[s][r]) + (bias ? bias[r] : 0.0f);
+      for (int64_t t = K16; t < K; ++t) {
+        const float wt = kBf16 ? widen(reinterpret_cast<const uint16_t*>(row)[t]) : reinterpret_cast<const float*>(row)[t];
+        v += wt * x[s * ldx + t];
+      }
+      if constexpr (kBf16) {
+        static_cast<c10::BFloat16*>(yv)[s * ldy + r] = c10::BFloat16(v);  // round to nearest even, as aten does
+      } else {
+        static_cast<float*>(yv)[s * ldy + r] = v;
+      }
+    }
+}
+
+using Avx2DotFn = void (*)(const float*, int64_t, const void*, int64_t, int64_t, const float*, void*, int64_t,
+                           const char*, int);
+
+// The tile functions by [R - 1][S - 1].
+#define CANN_AVX2_DOT_ROW(R, B) {avx2_dots<R, 1, B>, avx2_dots<R, 2, B>, avx2_dots<R, 3, B>, avx2_dots<R, 4, B>}
+constexpr Avx2DotFn kAvx2Bf16Dots[kAvx2TileW][kAvx2TileX] = {
+    CANN_AVX2_DOT_ROW(1, true), CANN_AVX2_DOT_ROW(2, true), CANN_AVX2_DOT_ROW(3, true)};
+constexpr Avx2DotFn kAvx2F32Dots[kAvx2TileW][kAvx2TileX] = {
+    CANN_AVX2_DOT_ROW(1, false), CANN_AVX2_DOT_ROW(2, false), CANN_AVX2_DOT_ROW(3, false)};
+#undef CANN_AVX2_DOT_ROW
+
+// Every block of kAvx2TileW weight rows (in parallel) times every tile of rows of x (balanced: 10
+// rows run as 4 + 3 + 3). x is fp32 (split in bf16), (M, K); y is (M, N) in the weight's dtype.
+// Each tile prefetches a share of the next block into L2 in proportion to its rows (the block's
+// lines a step given out once: with many tiles the last ones prefetch nothing), where the weight's
+// rows are contiguous.
+void run_avx2_dots(const Avx2DotFn (*table)[kAvx2TileX], const float* x, int64_t M, int64_t K, const char* w,
+                   int64_t ldw, size_t wsize, int64_t N, const float* bias, char* y) {
+  const int64_t NB = (N + kAvx2TileW - 1) / kAvx2TileW, n_tiles = (M + kAvx2TileX - 1) / kAvx2TileX;
+  const int64_t steps = K / 16, step_lines = (kAvx2TileW * 16 * static_cast<int64_t>(wsize) + 63) / 64;
+  const bool contiguous = ldw == K;
+  const char* stop = w + N * ldw * wsize;
+  at::parallel_for(0, NB, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb) {
+      const int64_t n0 = nb * kAvx2TileW, R = std::min<int64_t>(kAvx2TileW, N - n0);
+      const char* blk = w + n0 * ldw * wsize;
+      const char* pf = blk + kAvx2TileW * ldw * wsize;
+      const bool prefetch = contiguous && nb + 1 < end && N - n0 >= 2 * kAvx2TileW;
+      int64_t unassigned = prefetch ? step_lines : 0;  // lines a step of the next block, not yet any tile's
+      for (int64_t m0 = 0, t = 0, mb = 0; m0 < M; m0 += mb, ++t) {
+        mb = M / n_tiles + (t < M % n_tiles);
+        int pfl = static_cast<int>(std::min(unassigned, (step_lines * mb + M - 1) / M));
+        unassigned -= pfl;
+        if (pfl && stop - pf < pfl * steps * 64) pfl = 0;  // never past the weight's end
+        table[R - 1][mb - 1](x + m0 * K, K, blk, ldw, K, bias ? bias + n0 : nullptr, y + (m0 * N + n0) * wsize, N,
+                             pf, pfl);
+        pf += pfl * steps * 64;
+      }
+    }
+  });
+}
+
 // Every output n of the weight (N, K), rows `ldw` bytes apart, in parallel: fn(x, K, row n, K,
 // bias, y + n, N). T is x's type, W the weight's, Y y's.
 template <typename T, typename W, typename Y, typename Fn>
@@ -593,20 +704,22 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
 }
 
 bool dot_linear_supported(at::ScalarType dtype) {
-#ifdef CANN_GEMV
-  return (dtype == at::kBFloat16 || dtype == at::kFloat) && avx512_for(dtype);
-#endif
-  return false;
+  return gemv_supported(dtype);  // the same two loops: AVX-512 where it can, else AVX2 and FMA
 }
 
 at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   const at::ScalarType wtype = weight.scalar_type();
-  const auto [dtype, x2, fbias, y, M, N, K] =
-      stored_call("dot_linear", x, weight, bias, dot_linear_supported(wtype),
-                  wtype == at::kBFloat16 ? "no AVX512-BF16" : "no AVX-512", kDotMaxRows);
+  const auto [dtype, x2, fbias, y, M, N, K] = stored_call("dot_linear", x, weight, bias, dot_linear_supported(wtype),
+                                                         "neither AVX-512 nor AVX2 and FMA", kDotMaxRows);
 #ifdef CANN_GEMV
   const float* bp = fbias.defined() ? fbias.data_ptr<float>() : nullptr;
-  if (dtype == at::kBFloat16) {
+  if (!avx512_for(dtype)) {
+    const bool bf16 = dtype == at::kBFloat16;
+    const at::Tensor xf = bf16 ? split_x(x2) : x2;
+    run_avx2_dots(bf16 ? kAvx2Bf16Dots : kAvx2F32Dots, xf.data_ptr<float>(), M, K,
+                  static_cast<const char*>(weight.data_ptr()), weight.stride(0), weight.element_size(), N, bp,
+                  static_cast<char*>(y.data_ptr()));
+  } else if (dtype == at::kBFloat16) {
     run_dot_linear<uint16_t>(kBf16Dots, reinterpret_cast<const uint16_t*>(x2.data_ptr()), M, K,
                              reinterpret_cast<const uint16_t*>(weight.data_ptr()), weight.stride(0), N, bp,
                              reinterpret_cast<uint16_t*>(y.data_ptr()));
