@@ -203,10 +203,9 @@ class LinearKernel:
     """`linear` for the op table: the GEMV kernel for 1-4 rows (gemv_max_rows) of a large CPU
     weight in bf16 or fp32, except a single fp32 row on a CPU with AMX (aten_takes_single_rows);
     3-64 rows on dot_linear (a CPU without AMX; on its AVX2 loop 3-32 in fp32, 3-7 in bf16:
-    dot_max_rows); for more
-    rows oneDNN in fp32, and in bf16
-    the AMX loop (2-64 rows, a CPU with AMX) or the rows kernel where oneDNN would emulate bf16;
-    the reference otherwise. The counts are what metrics.json reports."""
+    dot_max_rows); for more rows oneDNN in fp32, and in bf16 the AMX loop (2-64 rows, a CPU with
+    AMX) or the rows kernel where oneDNN would emulate bf16; the reference otherwise. The counts are
+    what metrics.json reports."""
 
     def __init__(self):
         self.onednn_calls = 0
@@ -241,12 +240,13 @@ class LinearKernel:
 
 def kernel_for(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str:
     """What a run's large linears get: "gemv+dot_linear+onednn" (fp32 on an AVX-512 or AVX2 CPU
-    without AMX: GEMV for 1-2 rows, dot_linear for 3-64 (AVX2: 3-32), oneDNN past that), "gemv+dot_linear" (bf16
-    on an AVX512-BF16 CPU without AMX), "onednn" (fp32 elsewhere), "gemv" (bf16: its few-row
-    products), "gemv+amx_linear" (bf16 on a CPU with AMX: the AMX loop takes 2-64 rows),
-    "gemv+dot_linear+rows_linear" (bf16 where oneDNN would emulate it: dot_linear's AVX2 loop takes
-    3-7 rows, the rows kernel more), "gemv+rows_linear" (the same without AVX2 for dot_linear) or
-    "aten" (another device or dtype, or no weight large enough). Asking builds no kernel."""
+    without AMX: GEMV for 1-2 rows, dot_linear for 3-64 (AVX2: 3-32), oneDNN past that),
+    "gemv+dot_linear" (bf16 on an AVX512-BF16 CPU without AMX), "onednn" (fp32 elsewhere), "gemv"
+    (bf16: its few-row products), "gemv+amx_linear" (bf16 on a CPU with AMX: the AMX loop takes
+    2-64 rows), "gemv+dot_linear+rows_linear" (bf16 where oneDNN would emulate it: dot_linear's AVX2
+    loop takes 3-7 rows, the rows kernel more), "gemv+rows_linear" (the same without AVX2 for
+    dot_linear) or "aten" (another device or dtype, or no weight large enough). Asking builds no
+    kernel."""
     large = any(p.dim() == 2 and p.numel() >= packed_linear.MIN_WEIGHT_NUMEL for p in model.parameters())
     if device.type != "cpu" or not large:
         return "aten"
