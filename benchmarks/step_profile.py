@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from executor.backends import greedy  # noqa: E402
 from executor.config import PLANS, load_config  # noqa: E402
-from executor.platform import detect, timer  # noqa: E402
+from executor.platform import detect, profiler_activities, timer  # noqa: E402
 from executor.registry import default_config, runner_class  # noqa: E402
 from executor.tokenizer import BUILTIN_TOKENIZER  # noqa: E402
 
@@ -69,9 +69,6 @@ def profile_mode(args, mode: str) -> dict:
     platform = runner.platform
     now = timer(platform)
     prompts = [[(7 * r + i) % 100 + 1 for i in range(args.prompt_len)] for r in range(args.batch)]
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if platform.kind == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
     wall: list[float] = []
     plain: list[float] = []
     with runner.session(args.batch):
@@ -88,7 +85,7 @@ def profile_mode(args, mode: str) -> dict:
             token = greedy.next_tokens(runner.decode_one(token, pos))
             pos += 1
             plain.append((now() - t) * 1e3)
-        with torch.profiler.profile(activities=activities) as prof:
+        with torch.profiler.profile(activities=profiler_activities(platform)) as prof:
             for _ in range(args.steps):
                 t = now()
                 with torch.profiler.record_function(STEP):

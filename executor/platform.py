@@ -259,3 +259,12 @@ def timer(platform: Platform) -> Callable[[], float]:
         return time.perf_counter()
 
     return now
+
+
+def profiler_activities(platform: Platform) -> list:
+    """What the torch profiler records here: CPU events, and on CUDA the kernels themselves (a
+    CPU-only trace of a CUDA step shows its launches, not where the GPU's time goes)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if platform.kind == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return activities

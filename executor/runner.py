@@ -51,7 +51,7 @@ from executor.loader import init_random, load_weights
 from executor.parallel import runtime
 from executor.parallel.groups import Parallel
 from executor.paths import results_dir
-from executor.platform import Platform, cpu_runs_bf16, software_versions, timer
+from executor.platform import Platform, cpu_runs_bf16, profiler_activities, software_versions, timer
 from executor.scope import NO_PLAN, ScopeRunner
 from executor.threads import ThreadGovernor
 from executor.tokenizer import BUILTIN_TOKENIZER, Tokenizer, TokenizerError
@@ -421,10 +421,7 @@ class ModelRunner:
             import contextlib
 
             return contextlib.nullcontext()
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.platform.kind == "cuda":  # the kernels themselves: a CPU-only trace shows launches, not GPU time
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        return torch.profiler.profile(activities=activities)
+        return torch.profiler.profile(activities=profiler_activities(self.platform))
 
     def _summarise_decode(self, gen: Generation) -> float | None:
         """Log the decode average, the throughput and the run's shape; returns tokens/s. Steps that

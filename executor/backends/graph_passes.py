@@ -6,10 +6,10 @@ BENCHMARKS.md: large single-row GEMVs become generated reductions (MKL's sgemv s
 at half the read bandwidth); batched linears become calls on weights packed once
 (executor.backends.packed_linear); the attention's tiny batched products become reductions (one
 extern bmm each cost more than the product); and values several kernels read (the decode mask,
-RoPE's cos/sin) are stored once instead of recomputed in every layer's kernel. A graph compiled for CUDA gets
-the stored-once values and the GEMV rewrite (for every single-row linear there: cuBLAS's M = 1
-kernels read small weights well below the HBM rate); the packing and the attention rewrite are
-CPU lowerings.
+RoPE's cos/sin) are stored once instead of recomputed in every layer's kernel. A graph compiled
+for CUDA gets the stored-once values and the GEMV rewrite (for every single-row linear there:
+cuBLAS's M = 1 kernels read small weights well below the HBM rate); the packing and the attention
+rewrite are CPU lowerings.
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ def _gemv_to_reduction(gm: torch.fx.GraphModule, decomposes_small: bool = False,
     precedes them. The 0.6B bf16 batch-1 step went from 409 to 378 kernels and from 1.22 to 1.05
     ms of GPU time, and SK decoder from 2.14 to 1.53 ms/step (BENCHMARKS.md, "CUDA: one NVIDIA
     H100"; ge_graph went from 9.7 to 5.7 with the attention's products rewritten too, which graphs
-    compiled for CUDA do not get: 1% of SK decoder's step at batch 1, unmeasured past it). Returns how many linears were
-    rewritten either way.
+    compiled for CUDA do not get: 1% of SK decoder's step at batch 1, unmeasured past it).
+    Returns how many linears were rewritten either way.
     """
     rewritten, cpu = 0, device == "cpu"
     for node in list(gm.graph.nodes):
