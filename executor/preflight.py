@@ -27,6 +27,7 @@ from executor import custom_ops, memory
 from executor.arch import ArchError, ModelArch, load_arch
 from executor.backends.base import cache_root
 from executor.config import ConfigError, ModelConfig, RunConfig
+from executor.loader import NoInit
 from executor.parallel.groups import Parallel, view
 from executor.parallel.layout import ONE_DEVICE, Layout, check_arch
 from executor.platform import Platform
@@ -55,7 +56,7 @@ class Preflight:
 def meta_model(runner: RunnerLike, arch: ModelArch, layout: Layout) -> torch.nn.Module:
     """Rank 0's part of the recipe's model on the meta device: shapes and regions, no storage
     (and no process groups: nothing runs)."""
-    with torch.device("meta"):
+    with torch.device("meta"), NoInit():
         return runner.build_model(arch, view(layout, 0))
 
 

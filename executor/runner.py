@@ -47,7 +47,7 @@ from executor.config import ConfigError, RunConfig, to_dict
 from executor.context import ExecutionContext
 from executor.datasets import load_prompts
 from executor.kv_cache import KVCache
-from executor.loader import init_random, load_weights
+from executor.loader import NoInit, init_random, load_weights
 from executor.parallel import runtime
 from executor.parallel.groups import Parallel
 from executor.paths import results_dir
@@ -111,7 +111,8 @@ class ModelRunner:
         self.cfg, self.custom_ops_note = pre.cfg, pre.custom_ops_note  # custom_ops resolved for this run
         self.parallel = runtime.parallel_for(cfg.parallel_config, platform)  # process groups (world size 1: none)
         torch.manual_seed(mc.seed)
-        self.model = self.build_model(self.arch, self.parallel).to(self.dtype)
+        with NoInit():  # every parameter is filled below
+            self.model = self.build_model(self.arch, self.parallel).to(self.dtype)
         # The backend is chosen once the plan is known (the compile cache is keyed on it) and
         # before any weight is read, so an impossible request costs no loading time.
         self.use_backend(select_backend(self.decode_spec(), platform))
