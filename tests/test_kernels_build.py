@@ -10,7 +10,11 @@ not name), and the suite stayed green on the AVX2 hosts.
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +22,7 @@ import torch
 
 from executor.backends import eager_attention, eager_linear, eager_pointwise, greedy, packed_linear
 from executor.custom_ops import _build
+from tests.fresh_python import REPO, run_code
 
 CSRC = Path(eager_linear.__file__).resolve().parent / "csrc"
 
@@ -50,3 +55,43 @@ def test_the_kernel_builds_wherever_a_loop_of_it_runs(source):
     if not cpu_runs():
         pytest.skip(f"no loop of {source} runs on this CPU")
     assert built(), f"{source} did not build or load on a CPU that runs it (see the one-line message above)"
+
+
+def test_a_library_still_being_built_is_waited_for_and_a_damaged_one_said_in_one_line(tmp_path):
+    """Two runs that start together on a fresh kernel cache: the second saw the first's library
+    file while the linker was still writing it, loaded it and died ("file too short"). Here the
+    first build is played by this test: a library file cut short and cpp_extension's lock in its
+    build directory (the name torch's FileBaton uses). The second process must wait for the lock,
+    then load the finished library."""
+    if shutil.which(_build.compiler()) is None or shutil.which("ninja") is None:
+        pytest.skip("no C++ toolchain here: the kernels are not built, by design")
+    ext = tmp_path / "ext"
+    code = "from executor.backends import greedy\nprint(greedy.kernel_runs())\n"
+    assert run_code(code, CANN_RECIPES_EXTENSIONS_DIR=str(ext)).split()[-1] == "True"
+    (library,) = ext.glob("cann_cpu_greedy-*/cann_cpu_greedy.so")
+    whole = library.read_bytes()
+    library.write_bytes(whole[:64])  # what a reader sees mid-link
+    library.with_name(_build.FINISHED).unlink()
+    lock = library.with_name("lock")
+    lock.touch()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=os.environ | {"CANN_RECIPES_EXTENSIONS_DIR": str(ext)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(8)  # the import and the load attempt take ~3 s
+        assert proc.poll() is None, f"did not wait for the build: {proc.communicate()[1][-1500:]}"
+        library.write_bytes(whole)
+        lock.unlink()
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and out.split()[-1] == "True", err[-1500:]
+    # a finished library damaged afterwards: said in one line, and argmax picks the tokens
+    library.write_bytes(whole[:64])
+    said = run_code(code, CANN_RECIPES_EXTENSIONS_DIR=str(ext)).splitlines()
+    assert said[-1] == "False" and said[0].startswith("[greedy]") and f"delete {library.parent}" in said[0]

@@ -105,16 +105,34 @@ def _sources(op: str, sources: list[str]) -> list[Path]:
     return paths
 
 
+FINISHED = "finished"  # written next to a library once its build has ended (_finished)
+
+
 def _built(library: str, paths: list[Path]) -> Path:
     """Where the library built from `paths` is (or will be) kept."""
     return extensions_dir() / f"{library}-{build_key(library, paths)}" / f"{library}.so"
+
+
+def _finished(built: Path) -> bool:
+    """The library at `built` was built to the end. Its file alone does not say so: the linker
+    writes it in place, and a process that loaded it meanwhile failed with "file too short" (two
+    runs starting together on a fresh kernel cache, seen in the test suite). A build that is not
+    marked finished goes through cpp_extension, whose lock in the build directory waits for the
+    other process's build, and whose ninja then finds nothing left to do."""
+    return built.is_file() and built.with_name(FINISHED).is_file()
+
+
+def _mark_finished(built: Path) -> None:
+    tmp = built.with_name(f"{FINISHED}.{os.getpid()}")
+    tmp.write_text(built.name + "\n")
+    os.replace(tmp, built.with_name(FINISHED))
 
 
 def check_buildable(op: str, library: str, sources: list[str], remedy: str = CUSTOM_OPS_REMEDY) -> None:
     """Pre-flight: the kernel is loaded already, built already, or can be built here (compiler, ninja)."""
     if library in _loaded:
         return
-    if not _built(library, _sources(op, sources)).is_file():
+    if not _finished(_built(library, _sources(op, sources))):
         _check_toolchain(op, remedy)
 
 
@@ -129,7 +147,7 @@ def load_kernel(op: str, library: str, sources: list[str], remedy: str = CUSTOM_
     paths = _sources(op, sources)
     built = _built(library, paths)
     build_dir = built.parent
-    if not built.is_file():
+    if not _finished(built):
         _check_toolchain(op, remedy)
         build_dir.mkdir(parents=True, exist_ok=True)
         print(f"[custom_ops] building the CPU kernel of {op} into {build_dir} (once per machine)", flush=True)
@@ -151,8 +169,15 @@ def load_kernel(op: str, library: str, sources: list[str], remedy: str = CUSTOM_
             raise KernelBuildError(f"custom op {op}: building its CPU kernel in {build_dir} failed ({detail})") from exc
         if not built.is_file():
             raise KernelBuildError(f"custom op {op}: the build finished without {built}")
+        _mark_finished(built)
     else:
-        torch.ops.load_library(str(built))
+        try:
+            torch.ops.load_library(str(built))
+        except OSError as exc:  # a cache damaged after its build finished: one line, not a traceback
+            raise KernelBuildError(
+                f"custom op {op}: loading its CPU kernel {built} failed ({str(exc.__cause__ or exc).split(': ')[-1]}); "
+                f"delete {build_dir} to build it again"
+            ) from exc
     _loaded[library] = built
     return built
 
