@@ -62,7 +62,8 @@ def test_a_library_still_being_built_is_waited_for_and_a_damaged_one_said_in_one
     file while the linker was still writing it, loaded it and died ("file too short"). Here the
     first build is played by this test: a library file cut short and cpp_extension's lock in its
     build directory (the name torch's FileBaton uses). The second process must wait for the lock,
-    then load the finished library."""
+    then load the finished library; a lock that a killed build left behind must not be waited
+    for."""
     if shutil.which(_build.compiler()) is None or shutil.which("ninja") is None:
         pytest.skip("no C++ toolchain here: the kernels are not built, by design")
     ext = tmp_path / "ext"
@@ -95,3 +96,10 @@ def test_a_library_still_being_built_is_waited_for_and_a_damaged_one_said_in_one
     library.write_bytes(whole[:64])
     said = run_code(code, CANN_RECIPES_EXTENSIONS_DIR=str(ext)).splitlines()
     assert said[-1] == "False" and said[0].startswith("[greedy]") and f"delete {library.parent}" in said[0]
+    # a lock left by a killed build, an hour old: said and removed, not waited for forever
+    library.write_bytes(whole)  # newer than its objects: ninja has nothing to redo
+    library.with_name(_build.FINISHED).unlink()
+    lock.touch()
+    os.utime(lock, (time.time() - 3600,) * 2)
+    said = run_code(code, timeout=120, CANN_RECIPES_EXTENSIONS_DIR=str(ext)).splitlines()
+    assert said[-1] == "True" and any(line.startswith(f"[custom_ops] removing {lock}") for line in said), said

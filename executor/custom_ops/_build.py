@@ -17,6 +17,7 @@ import hashlib
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -128,6 +129,23 @@ def _mark_finished(built: Path) -> None:
     os.replace(tmp, built.with_name(FINISHED))
 
 
+STALE_LOCK_S = 600  # a kernel builds in well under a minute; a lock older than this outlived its build
+
+
+def _drop_stale_lock(build_dir: Path) -> None:
+    """cpp_extension's lock (torch's FileBaton, `lock` in the build directory) is removed when its
+    build ends, even on an exception, but not when the process is killed; every later build of the
+    library would then wait for it forever. One that old is said and removed."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        print(f"[custom_ops] removing {lock}: left {age:.0f} s ago by a build that did not finish", flush=True)
+        lock.unlink(missing_ok=True)
+
+
 def check_buildable(op: str, library: str, sources: list[str], remedy: str = CUSTOM_OPS_REMEDY) -> None:
     """Pre-flight: the kernel is loaded already, built already, or can be built here (compiler, ninja)."""
     if library in _loaded:
@@ -150,6 +168,7 @@ def load_kernel(op: str, library: str, sources: list[str], remedy: str = CUSTOM_
     if not _finished(built):
         _check_toolchain(op, remedy)
         build_dir.mkdir(parents=True, exist_ok=True)
+        _drop_stale_lock(build_dir)
         print(f"[custom_ops] building the CPU kernel of {op} into {build_dir} (once per machine)", flush=True)
         from torch.utils import cpp_extension
 
