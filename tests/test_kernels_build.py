@@ -27,6 +27,11 @@ from tests.fresh_python import REPO, run_code
 CSRC = Path(eager_linear.__file__).resolve().parent / "csrc"
 
 
+def needs_toolchain() -> None:
+    if shutil.which(_build.compiler()) is None or shutil.which("ninja") is None:
+        pytest.skip("no C++ toolchain here: the kernels are not built, by design")
+
+
 def _any_simd() -> bool:
     return _build.cpu_has_avx2() or _build.cpu_has_avx512(torch.float32)
 
@@ -49,8 +54,7 @@ def test_every_kernel_source_is_listed_here():
 
 @pytest.mark.parametrize("source", sorted(KERNELS))
 def test_the_kernel_builds_wherever_a_loop_of_it_runs(source):
-    if shutil.which(_build.compiler()) is None or shutil.which("ninja") is None:
-        pytest.skip("no C++ toolchain here: the kernels are not built, by design")
+    needs_toolchain()
     cpu_runs, built = KERNELS[source]
     if not cpu_runs():
         pytest.skip(f"no loop of {source} runs on this CPU")
@@ -64,8 +68,7 @@ def test_a_library_still_being_built_is_waited_for_and_a_damaged_one_said_in_one
     build directory (the name torch's FileBaton uses). The second process must wait for the lock,
     then load the finished library; a lock that a killed build left behind must not be waited
     for."""
-    if shutil.which(_build.compiler()) is None or shutil.which("ninja") is None:
-        pytest.skip("no C++ toolchain here: the kernels are not built, by design")
+    needs_toolchain()
     ext = tmp_path / "ext"
     code = "from executor.backends import greedy\nprint(greedy.kernel_runs())\n"
     assert run_code(code, CANN_RECIPES_EXTENSIONS_DIR=str(ext)).split()[-1] == "True"
