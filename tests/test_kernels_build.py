@@ -10,6 +10,7 @@ not name), and the suite stayed green on the AVX2 hosts.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -64,45 +65,63 @@ def test_the_kernel_builds_wherever_a_loop_of_it_runs(source):
 def test_a_library_still_being_built_is_waited_for_and_a_damaged_one_said_in_one_line(tmp_path):
     """Two runs that start together on a fresh kernel cache: the second saw the first's library
     file while the linker was still writing it, loaded it and died ("file too short"). Here the
-    first build is played by this test: a library file cut short and cpp_extension's lock in its
-    build directory (the name torch's FileBaton uses). The second process must wait for the lock,
-    then load the finished library; a lock that a killed build left behind must not be waited
-    for."""
+    first build is played by this test: a library file cut short, no `finished` marker, and the
+    build's flock held. The second process must wait, then load the finished library without
+    building it again; a flock whose holder was killed, or a cpp_extension `lock` file that a killed
+    build left, must not be waited for."""
     needs_toolchain()
     ext = tmp_path / "ext"
     code = "from executor.backends import greedy\nprint(greedy.kernel_runs())\n"
     assert run_code(code, CANN_RECIPES_EXTENSIONS_DIR=str(ext)).split()[-1] == "True"
     (library,) = ext.glob("cann_cpu_greedy-*/cann_cpu_greedy.so")
     whole = library.read_bytes()
+    finished = library.with_name(_build.FINISHED)
     library.write_bytes(whole[:64])  # what a reader sees mid-link
-    library.with_name(_build.FINISHED).unlink()
-    lock = library.with_name("lock")
-    lock.touch()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        env=os.environ | {"CANN_RECIPES_EXTENSIONS_DIR": str(ext)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    finished.unlink()
+    env = os.environ | {"CANN_RECIPES_EXTENSIONS_DIR": str(ext)}
+    with open(library.with_name(_build.BUILD_LOCK), "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        try:
+            time.sleep(8)  # the import and the load attempt take ~3 s
+            assert proc.poll() is None, f"did not wait for the build: {proc.communicate()[1][-1500:]}"
+            library.write_bytes(whole)
+            finished.write_text(library.name + "\n")
+        except BaseException:
+            proc.kill()
+            raise
     try:
-        time.sleep(8)  # the import and the load attempt take ~3 s
-        assert proc.poll() is None, f"did not wait for the build: {proc.communicate()[1][-1500:]}"
-        library.write_bytes(whole)
-        lock.unlink()
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
     assert proc.returncode == 0 and out.split()[-1] == "True", err[-1500:]
+    assert "[custom_ops] waiting for another process's build" in out and "[custom_ops] building" not in out, out
     # a finished library damaged afterwards: said in one line, and argmax picks the tokens
     library.write_bytes(whole[:64])
     said = run_code(code, CANN_RECIPES_EXTENSIONS_DIR=str(ext)).splitlines()
     assert said[-1] == "False" and said[0].startswith("[greedy]") and f"delete {library.parent}" in said[0]
-    # a lock left by a killed build, an hour old: said and removed, not waited for forever
+    # a build killed mid-way: its flock goes with it, and cpp_extension's lock file it left is removed
     library.write_bytes(whole)  # newer than its objects: ninja has nothing to redo
-    library.with_name(_build.FINISHED).unlink()
+    finished.unlink()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import fcntl, time\nf = open({str(library.with_name(_build.BUILD_LOCK))!r}, 'a')\n"
+            "fcntl.flock(f, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(600)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = library.with_name("lock")
     lock.touch()
-    os.utime(lock, (time.time() - 3600,) * 2)
     said = run_code(code, timeout=120, CANN_RECIPES_EXTENSIONS_DIR=str(ext)).splitlines()
     assert said[-1] == "True" and any(line.startswith(f"[custom_ops] removing {lock}") for line in said), said
+    assert not any("waiting" in line for line in said), said

@@ -4,8 +4,8 @@ Why built here and not shipped: the kernel must match this process's torch heade
 is compiled against the installed torch the first time a run asks for the op, and kept in a
 cache directory keyed on everything that changes the binary (sources, flags, torch and Python
 versions, the CPU's vector extensions). A later run, or another process, loads the cached
-library without a compiler. Concurrent first builds are safe: cpp_extension holds a lock in the
-build directory while it compiles.
+library without a compiler. Concurrent first builds are safe: one process builds while the others wait on
+a flock in the build directory (_build_lock), then load what it built.
 
 The library only registers kernels (`TORCH_LIBRARY_IMPL(cann, CPU, m)`) for ops whose schema the
 Python module defined, so loading it adds no Python module: torch.ops.load_library does it.
@@ -13,11 +13,12 @@ Python module defined, so loading it adds no Python module: torch.ops.load_libra
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -117,9 +118,8 @@ def _built(library: str, paths: list[Path]) -> Path:
 def _finished(built: Path) -> bool:
     """The library at `built` was built to the end. Its file alone does not say so: the linker
     writes it in place, and a process that loaded it meanwhile failed with "file too short" (two
-    runs starting together on a fresh kernel cache, seen in the test suite). A build that is not
-    marked finished goes through cpp_extension, whose lock in the build directory waits for the
-    other process's build, and whose ninja then finds nothing left to do."""
+    runs starting together on a fresh kernel cache, seen in the test suite). A library that is not
+    marked finished is waited for under _build_lock, and built if nobody finished it."""
     return built.is_file() and built.with_name(FINISHED).is_file()
 
 
@@ -129,21 +129,29 @@ def _mark_finished(built: Path) -> None:
     os.replace(tmp, built.with_name(FINISHED))
 
 
-STALE_LOCK_S = 600  # a kernel builds in well under a minute; a lock older than this outlived its build
+BUILD_LOCK = "build.lock"  # the file whose flock one build of a library holds (_build_lock)
 
 
-def _drop_stale_lock(build_dir: Path) -> None:
-    """cpp_extension's lock (torch's FileBaton, `lock` in the build directory) is removed when its
-    build ends, even on an exception, but not when the process is killed; every later build of the
-    library would then wait for it forever. One that old is said and removed."""
-    lock = build_dir / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        print(f"[custom_ops] removing {lock}: left {age:.0f} s ago by a build that did not finish", flush=True)
-        lock.unlink(missing_ok=True)
+@contextlib.contextmanager
+def _build_lock(op: str, build_dir: Path):
+    """One build of a library at a time, across processes: an exclusive flock on `build.lock` in
+    its build directory, held until the build is marked finished. The kernel drops a flock when its
+    holder exits, killed or not, so a build that died leaves nothing to wait for. cpp_extension's
+    own lock (torch's FileBaton, `lock` in the same directory) is a plain file that a killed build
+    leaves behind, and every later build of the library then waited for it forever; under this
+    flock no other build can be inside cpp_extension, so a `lock` found there is that leftover, and
+    it is said and removed."""
+    with open(build_dir / BUILD_LOCK, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"[custom_ops] waiting for another process's build of {op}'s CPU kernel in {build_dir}", flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        leftover = build_dir / "lock"
+        if leftover.exists():
+            print(f"[custom_ops] removing {leftover}: left by a build that did not finish", flush=True)
+            leftover.unlink(missing_ok=True)
+        yield  # the flock goes with the file
 
 
 def check_buildable(op: str, library: str, sources: list[str], remedy: str = CUSTOM_OPS_REMEDY) -> None:
@@ -168,37 +176,45 @@ def load_kernel(op: str, library: str, sources: list[str], remedy: str = CUSTOM_
     if not _finished(built):
         _check_toolchain(op, remedy)
         build_dir.mkdir(parents=True, exist_ok=True)
-        _drop_stale_lock(build_dir)
-        print(f"[custom_ops] building the CPU kernel of {op} into {build_dir} (once per machine)", flush=True)
-        from torch.utils import cpp_extension
-
-        try:
-            cpp_extension.load(
-                library,
-                [str(p) for p in paths],
-                extra_cflags=list(compile_flags()),
-                extra_ldflags=list(LDFLAGS),
-                extra_include_paths=[str(CSRC)],
-                build_directory=str(build_dir),
-                is_python_module=False,
-                verbose=False,
-            )
-        except (RuntimeError, OSError) as exc:  # cpp_extension reports compile errors as RuntimeError
-            detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            raise KernelBuildError(f"custom op {op}: building its CPU kernel in {build_dir} failed ({detail})") from exc
-        if not built.is_file():
-            raise KernelBuildError(f"custom op {op}: the build finished without {built}")
-        _mark_finished(built)
-    else:
-        try:
-            torch.ops.load_library(str(built))
-        except OSError as exc:  # a cache damaged after its build finished: one line, not a traceback
-            raise KernelBuildError(
-                f"custom op {op}: loading its CPU kernel {built} failed ({str(exc.__cause__ or exc).split(': ')[-1]}); "
-                f"delete {build_dir} to build it again"
-            ) from exc
+        with _build_lock(op, build_dir):
+            if not _finished(built):  # else another process built it while this one waited
+                _compile(op, library, paths, built)
+    try:
+        torch.ops.load_library(str(built))
+    except OSError as exc:  # a cache damaged after its build finished: one line, not a traceback
+        raise KernelBuildError(
+            f"custom op {op}: loading its CPU kernel {built} failed ({str(exc.__cause__ or exc).split(': ')[-1]}); "
+            f"delete {build_dir} to build it again"
+        ) from exc
     _loaded[library] = built
     return built
+
+
+def _compile(op: str, library: str, paths: list[Path], built: Path) -> None:
+    """Build the library at `built` from `paths` with cpp_extension and mark it finished (under
+    _build_lock). cpp_extension also loads what it built; load_kernel's load of the same path
+    afterwards finds it loaded already."""
+    build_dir = built.parent
+    print(f"[custom_ops] building the CPU kernel of {op} into {build_dir} (once per machine)", flush=True)
+    from torch.utils import cpp_extension
+
+    try:
+        cpp_extension.load(
+            library,
+            [str(p) for p in paths],
+            extra_cflags=list(compile_flags()),
+            extra_ldflags=list(LDFLAGS),
+            extra_include_paths=[str(CSRC)],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+    except (RuntimeError, OSError) as exc:  # cpp_extension reports compile errors as RuntimeError
+        detail = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise KernelBuildError(f"custom op {op}: building its CPU kernel in {build_dir} failed ({detail})") from exc
+    if not built.is_file():
+        raise KernelBuildError(f"custom op {op}: the build finished without {built}")
+    _mark_finished(built)
 
 
 def cpu_has_avx512(dtype: torch.dtype) -> bool:
