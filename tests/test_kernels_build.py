@@ -125,3 +125,21 @@ def test_a_library_still_being_built_is_waited_for_and_a_damaged_one_said_in_one
     said = run_code(code, timeout=120, CANN_RECIPES_EXTENSIONS_DIR=str(ext)).splitlines()
     assert said[-1] == "True" and any(line.startswith(f"[custom_ops] removing {lock}") for line in said), said
     assert not any("waiting" in line for line in said), said
+
+
+def test_a_kernel_cache_that_cannot_be_written_is_said_in_one_line(tmp_path, monkeypatch):
+    """$CANN_RECIPES_EXTENSIONS_DIR under a file (as root, a read-only directory would still be
+    writable): an optional kernel says so in one line and its calls go to the fallback; for a
+    requested custom op it is a KernelBuildError (a RecipeError: one line, exit 2), not an
+    OSError's traceback."""
+    needs_toolchain()
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    code = "from executor.backends import greedy\nprint(greedy.kernel_runs())\n"
+    said = run_code(code, CANN_RECIPES_EXTENSIONS_DIR=str(blocker / "ext")).splitlines()
+    assert said[-1] == "False", said
+    assert said[0].startswith("[greedy] custom op cann_cpu::greedy_tokens: cannot write the kernel cache"), said
+    assert "CANN_RECIPES_EXTENSIONS_DIR" in said[0] and "torch.argmax" in said[0], said
+    monkeypatch.setenv(_build.EXTENSIONS_ENV, str(blocker / "ext"))
+    with pytest.raises(_build.KernelBuildError, match="cannot write the kernel cache"):
+        _build.load_kernel("cann_cpu::greedy_tokens", "cann_cpu_greedy_unwritable", [str(CSRC / "greedy.cpp")])

@@ -140,8 +140,16 @@ def _build_lock(op: str, build_dir: Path):
     own lock (torch's FileBaton, `lock` in the same directory) is a plain file that a killed build
     leaves behind, and every later build of the library then waited for it forever; under this
     flock no other build can be inside cpp_extension, so a `lock` found there is that leftover, and
-    it is said and removed."""
-    with open(build_dir / BUILD_LOCK, "a") as f:
+    it is said and removed. A cache directory that cannot be written is a one-line error."""
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        held = open(build_dir / BUILD_LOCK, "a")  # noqa: SIM115 (closed by the with below)
+    except OSError as exc:
+        raise KernelBuildError(
+            f"custom op {op}: cannot write the kernel cache {build_dir} ({exc.strerror or exc}); "
+            f"point ${EXTENSIONS_ENV} at a writable directory"
+        ) from exc
+    with held as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -175,7 +183,6 @@ def load_kernel(op: str, library: str, sources: list[str], remedy: str = CUSTOM_
     build_dir = built.parent
     if not _finished(built):
         _check_toolchain(op, remedy)
-        build_dir.mkdir(parents=True, exist_ok=True)
         with _build_lock(op, build_dir):
             if not _finished(built):  # else another process built it while this one waited
                 _compile(op, library, paths, built)
