@@ -36,6 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.cli import int_list, name_list  # noqa: E402
 from executor import custom_ops  # noqa: E402
 from executor.config import load_config  # noqa: E402
 from executor.ops import reference  # noqa: E402
@@ -137,9 +138,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen", help="recipe (default: qwen)")
     p.add_argument("--size", default="bench-overhead", help="named size in configs/model_sizes.yaml")
-    p.add_argument("--lengths", default="2048,16384", help="static KV-cache lengths (max_len) to compare")
+    p.add_argument("--lengths", type=int_list, default="2048,16384", help="static KV-cache lengths (max_len)")
     p.add_argument("--position", type=int, default=2047, help="decode position (valid slots = position + 1)")
-    p.add_argument("--modes", default="eager,ge_graph,decoder", help=f"comma list of {', '.join(MODES)}")
+    p.add_argument("--modes", type=name_list, default="eager,ge_graph,decoder", help=f"of {', '.join(MODES)}")
     p.add_argument("--rounds", type=int, default=7, help="timing rounds (each config timed once per round; best kept)")
     p.add_argument("--no-op-table", action="store_true", help="skip the single-layer op table")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
@@ -148,7 +149,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    lengths = [int(x) for x in args.lengths.split(",")]
+    lengths = args.lengths
+    if unknown := [m for m in args.modes if m not in MODES]:
+        p.error(f"--modes: unknown {unknown}; known: {', '.join(MODES)}")
     if any(t <= args.position for t in lengths):
         p.error(f"--position {args.position} must be below every cache length {lengths}")
     print(
@@ -167,7 +170,7 @@ def main(argv=None) -> int:
             base = rows[0][2]
             print(f"decode_attention at {lengths[-1]} / at {lengths[0]} slots: {rows[-1][2] / base:.2f}x")
     built = {}
-    for mode in args.modes.split(","):
+    for mode in args.modes:
         for custom in (False, True):
             for t in lengths:
                 built[(mode, custom, t)] = build_step(
@@ -201,7 +204,7 @@ def main(argv=None) -> int:
     print(
         f"\nmax_len ratio = this row's ms / the same mode's at max_len {lengths[0]} (target with the op: <= 1.10x).\n"
         f"KV bytes valid at position {args.position}: {valid / 1e6:.1f} MB {args.dtype}; whole cache at max_len "
-        + ", ".join(f"{t}: {results[(args.modes.split(',')[0], False, t)][2] / 1e6:.1f} MB" for t in lengths)
+        + ", ".join(f"{t}: {results[(args.modes[0], False, t)][2] / 1e6:.1f} MB" for t in lengths)
     )
     return 0
 

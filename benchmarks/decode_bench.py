@@ -60,6 +60,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.cli import int_list  # noqa: E402
 from executor.arch import MODEL_SIZES, ModelArch, arch_from_dict  # noqa: E402
 from executor.backends import eager_linear, packed_linear  # noqa: E402
 from executor.config import load_config  # noqa: E402
@@ -350,7 +351,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=64, help="decode steps timed per mode (>= 50 recommended)")
     p.add_argument("--plans", default="all", help="comma list of SuperKernel plans, 'all' or 'none'")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="every side's dtype (default float32)")
-    p.add_argument("--batch", default="1", help="batch size, or a comma list (one table each), e.g. 1,4,16,64")
+    p.add_argument("--batch", type=int_list, default="1", help="batch size or a comma list (a table each): 1,4,16")
     p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per row: the cached context")
     p.add_argument("--max-len", type=int, help="static KV-cache slots (default: prompt + generated tokens)")
     p.add_argument("--no-hf", action="store_true", help="skip both transformers peers")
@@ -366,10 +367,10 @@ def main(argv=None) -> int:
         "--layers", type=int, default=0, help="override num_hidden_layers (shrink a big shape to fit memory)"
     )
     args = p.parse_args(argv)
-    batches = [int(b) for b in args.batch.split(",")]
+    batches = args.batch
     max_len = args.max_len or args.prompt_len + args.steps + 1
-    if min(batches) < 1 or args.steps < 2 or max_len < args.prompt_len + args.steps + 1:
-        p.error("--batch >= 1, --steps >= 2 and --max-len >= --prompt-len + --steps + 1")
+    if args.steps < 2 or max_len < args.prompt_len + args.steps + 1:
+        p.error("--steps >= 2 and --max-len >= --prompt-len + --steps + 1")
     if args.device != "cpu" and args.world_size > 1:
         p.error("--device cuda measures one device: use --world-size 1")
     if args.threads:
@@ -385,7 +386,7 @@ def main(argv=None) -> int:
         return bench_ranks(args, list(sys.argv[1:] if argv is None else argv), cfg, arch, platform, max_len)
     print(
         f"# decode_bench: recipe {args.model}, size {args.size} ({arch.num_layers} layers), {args.steps} steps, "
-        f"batch {args.batch}, {args.dtype}, prompt {args.prompt_len} tokens, max_len {max_len}, "
+        f"batch {','.join(map(str, batches))}, {args.dtype}, prompt {args.prompt_len} tokens, max_len {max_len}, "
         f"{platform.describe()}, torch {torch.__version__}, {torch.get_num_threads()} threads",
         flush=True,
     )

@@ -31,6 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.cli import int_list  # noqa: E402
 from executor.arch import ModelArch, load_arch  # noqa: E402
 from executor.backends import eager_linear, packed_linear  # noqa: E402
 from executor.errors import RecipeError  # noqa: E402
@@ -81,7 +82,7 @@ def onednn_pass(xs: dict, weights: list[torch.Tensor], packed: list[torch.Tensor
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="qwen3-0.6b", help="named size in configs/model_sizes.yaml (a dense one)")
-    ap.add_argument("--rows", default="1,4,16,64", help="comma list of row counts M (the decode batch)")
+    ap.add_argument("--rows", type=int_list, default="1,4,16,64", help="comma list of row counts M (the decode batch)")
     ap.add_argument("--rounds", type=int, default=7, help="timed rounds per row count (after one warm-up)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weight and row dtype")
     args = ap.parse_args(argv)
@@ -120,7 +121,7 @@ def main(argv=None) -> int:
 
     print("| M | method | GB/s (median) | x fp32 sum rate | GFLOP/s |")
     print("|---|---|---|---|---|")
-    for rows in [int(r) for r in args.rows.split(",")]:
+    for rows in args.rows:
         xs = {k: torch.randn(rows, k).to(dtype) for k in {k for _, k in shapes}}
         methods = {"kernel": (kernel_pass, [packed_linear.pack_rows(w) for w in weights])}
         if dtype == torch.bfloat16 and rows > 1 and packed_linear.amx_runs():  # the AVX-512 loop's packing

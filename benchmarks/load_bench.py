@@ -55,12 +55,20 @@ def child(args) -> None:
 
     from benchmarks.decode_bench import make_checkpoint
     from executor.arch import MODEL_SIZES
-    from executor.config import load_config
+    from executor.config import PLANS, load_config
     from executor.platform import detect
     from executor.registry import default_config, runner_class
     from executor.tokenizer import BUILTIN_TOKENIZER
 
-    cfg = dict(yaml.safe_load(MODEL_SIZES.read_text())[args.size])
+    sizes = yaml.safe_load(MODEL_SIZES.read_text())
+    known = ["eager", "ge_graph", *PLANS]
+    unknown = [m for m in args.modes.split(",") if m not in known]
+    for bad, what in ((args.size not in sizes, f"--size {args.size!r} is not in {MODEL_SIZES.name}"),
+                      (unknown, f"--modes: unknown {unknown}; known: {', '.join(known)}")):  # fmt: skip
+        if bad:  # one line; the parent then says the measured process ended
+            print(f"load_bench: {what}", file=sys.stderr, flush=True)
+            sys.exit(2)
+    cfg = dict(sizes[args.size])
     path = Path(args.ckpt)
     if not (path / "config.json").is_file():
         make_checkpoint(cfg, path, seed=0)
@@ -98,6 +106,10 @@ def child(args) -> None:
     print("result " + json.dumps(result), flush=True)
 
 
+class ChildFailed(Exception):
+    """The measured process ended without a result; its own error went to stderr before this."""
+
+
 def measure(policy: dict, governor: str, args, ckpt: Path, cache: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ENV_KEYS}
     env |= {k: v for k, v in policy.items() if v}
@@ -119,7 +131,7 @@ def measure(policy: dict, governor: str, args, ckpt: Path, cache: Path) -> dict:
                 proc.stdin.flush()
             elif line.startswith("result "):
                 return json.loads(line[len("result ") :])
-        raise RuntimeError(f"measured process exited with {proc.wait()}")
+        raise ChildFailed(proc.wait())
     finally:
         if neighbour:
             neighbour.kill()
@@ -156,7 +168,14 @@ def main(argv=None) -> int:
         ckpt, cache = Path(tmp) / "ckpt", Path(tmp) / "cache"
         for name in policies:
             for gov in governors:
-                r = measure(POLICIES[name], gov, args, ckpt, cache)
+                try:
+                    r = measure(POLICIES[name], gov, args, ckpt, cache)
+                except ChildFailed as exc:
+                    print(
+                        f"load_bench: the measured process exited with {exc.args[0]} (its error is above)",
+                        file=sys.stderr,
+                    )
+                    return 2
                 print(f"  measured policy {name}, governor {gov} ({r['threads']} threads)", flush=True)
                 rows.append((name, gov, r))
     print(

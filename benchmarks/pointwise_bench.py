@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import executor  # noqa: E402, F401  (the runner's allocator policy, as a run sees it)
+from benchmarks.cli import int_list  # noqa: E402
 from executor.arch import load_arch  # noqa: E402
 from executor.backends import eager_pointwise  # noqa: E402
 from executor.errors import RecipeError  # noqa: E402
@@ -66,13 +67,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="qwen3-0.6b", help="named size in configs/model_sizes.yaml (default: qwen3-0.6b)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--tokens", default="128,512", help="comma list of prompt lengths (default: 128,512)")
+    p.add_argument("--tokens", type=int_list, default="128,512", help="comma list of prompt lengths (default: 128,512)")
     p.add_argument("--rounds", type=int, default=7, help="timing rounds; the best is kept (default: 7)")
     args = p.parse_args(argv)
     try:
         arch = load_arch("", args.size)
-        tokens = [int(t) for t in args.tokens.split(",")]
-    except (RecipeError, ValueError) as exc:
+        tokens = args.tokens
+    except RecipeError as exc:
         print(f"pointwise_bench: {exc}", file=sys.stderr)
         return 2
     if not eager_pointwise.kernel_runs():

@@ -32,6 +32,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.cli import int_list  # noqa: E402
 from benchmarks.decode_bench import DTYPES, make_checkpoint, matmul_tflops, memory_bandwidth_gbs  # noqa: E402
 from executor.arch import MODEL_SIZES, ModelArch, arch_from_dict  # noqa: E402
 from executor.config import load_config  # noqa: E402
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen", help="recipe under models/ (qwen, qwen3_moe)")
     p.add_argument("--size", default="qwen3-0.6b", help="named size in configs/model_sizes.yaml")
-    p.add_argument("--lengths", default="128,512,2048", help="prompt lengths, a comma list")
+    p.add_argument("--lengths", type=int_list, default="128,512,2048", help="prompt lengths, a comma list")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per side and length (median)")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="both sides' dtype")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both sides run (default cpu)")
@@ -104,9 +105,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--plot", help="PNG of TTFT per prompt length, with the roofline")
     args = p.parse_args(argv)
-    lengths = [int(n) for n in args.lengths.split(",")]
-    if min(lengths) < 1 or args.repeats < 1:
-        p.error("--lengths >= 1 and --repeats >= 1")
+    lengths = args.lengths
+    if args.repeats < 1:
+        p.error("--repeats >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = dict(yaml.safe_load(MODEL_SIZES.read_text())[args.size])

@@ -31,6 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.cli import name_list  # noqa: E402
 from executor.backends import greedy  # noqa: E402
 from executor.config import PLANS, load_config  # noqa: E402
 from executor.platform import detect, profiler_activities, timer  # noqa: E402
@@ -153,14 +154,14 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per row")
-    p.add_argument("--modes", default="eager,ge_graph,decoder", help="eager, ge_graph and/or plan names")
+    p.add_argument("--modes", type=name_list, default="eager,ge_graph,decoder", help="eager, ge_graph, plans")
     p.add_argument("--steps", type=int, default=8, help="decode steps profiled per mode")
     p.add_argument("--warmup", type=int, default=3, help="decode steps before profiling (the first compiles)")
     p.add_argument("--timed", type=int, default=32, help="decode steps timed without the profiler, before it")
     p.add_argument("--top", type=int, default=12, help="kernels listed per mode")
     p.add_argument("--trace-dir", default="", help="also write each mode's chrome trace here")
     args = p.parse_args(argv)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = args.modes
     for m in modes:
         if m not in ("eager", "ge_graph") and m not in PLANS:
             p.error(f"--modes: unknown mode {m!r}; use eager, ge_graph or a plan ({', '.join(PLANS)})")

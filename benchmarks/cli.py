@@ -1,0 +1,27 @@
+"""Argument types shared by the benchmarks' command lines.
+
+Why: a comma list parsed after argparse (`[int(x) for x in text.split(",")]`) turned a typo such
+as `--batch 1,x` into a ValueError traceback. As an argparse type, a bad value is argparse's own
+usage line naming the option (exit 2), like every other bad argument. No torch import here: the
+load bench's parent process parses with it and must stay free of torch and executor.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def int_list(text: str) -> list[int]:
+    """A comma list of positive integers, e.g. "1,4,16,64" (argparse applies it to string defaults too)."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of positive integers, got {text!r}") from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def name_list(text: str) -> list[str]:
+    """A comma list of names, blanks dropped ("eager, ge_graph" -> ["eager", "ge_graph"])."""
+    return [x.strip() for x in text.split(",") if x.strip()]

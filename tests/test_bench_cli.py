@@ -1,0 +1,55 @@
+"""The benchmarks' command lines: a bad value is one line naming the option (exit 2), never a
+traceback. Each main() runs in this process and stops at its argument check, so nothing is
+measured; load_bench's parent starts its measured process, which does the check and says why.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import attention_bench, decode_bench, gemm_bench, pointwise_bench, prefill_bench, step_profile
+from benchmarks.cli import int_list, name_list
+from tests.fresh_python import REPO
+
+BAD = [
+    (gemm_bench, ["--rows", "1,x"], "argument --rows: expected a comma list of positive integers, got '1,x'"),
+    (decode_bench, ["--batch", "4,16,"], "argument --batch: expected a comma list of positive integers"),
+    (decode_bench, ["--batch", "0"], "argument --batch: expected positive integers, got '0'"),
+    (attention_bench, ["--lengths", "2k"], "argument --lengths: expected a comma list of positive integers"),
+    (attention_bench, ["--modes", "eager,sk"], "--modes: unknown ['sk']; known: eager, ge_graph, decoder"),
+    (pointwise_bench, ["--tokens", "a"], "argument --tokens: expected a comma list of positive integers"),
+    (prefill_bench, ["--lengths", "-1"], "argument --lengths: expected positive integers, got '-1'"),
+    (step_profile, ["--modes", "eager,nope"], "--modes: unknown mode 'nope'"),
+]
+
+
+@pytest.mark.parametrize(("bench", "argv", "said"), BAD, ids=[f"{b.__name__.split('.')[-1]}{a}" for b, a, _ in BAD])
+def test_a_bad_list_is_argparses_one_line(bench, argv, said, capsys):
+    with pytest.raises(SystemExit) as stop:
+        bench.main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and said in err and "Traceback" not in err, err
+
+
+def test_the_list_types():
+    assert int_list("1,4,16,64") == [1, 4, 16, 64]
+    assert name_list(" eager, ge_graph ,,decoder") == ["eager", "ge_graph", "decoder"]
+
+
+LOAD_BAD = [
+    (["--modes", "eager,nope"], "--modes: unknown ['nope']"),
+    (["--size", "nope"], "--size 'nope' is not in model_sizes.yaml"),
+]
+
+
+@pytest.mark.parametrize(("argv", "said"), LOAD_BAD)
+def test_load_bench_says_what_its_measured_process_refused(argv, said):
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/load_bench.py", "--policies", "passive", "--governor", "off", *argv],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2 and f"load_bench: {said}" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "the measured process exited with 2" in proc.stderr
