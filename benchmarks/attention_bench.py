@@ -36,7 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cli import int_list, name_list  # noqa: E402
+from benchmarks.cli import guarded, int_list, name_list  # noqa: E402
 from executor import custom_ops  # noqa: E402
 from executor.config import load_config  # noqa: E402
 from executor.ops import reference  # noqa: E402
@@ -210,4 +210,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded(main))

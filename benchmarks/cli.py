@@ -9,6 +9,8 @@ load bench's parent process parses with it and must stay free of torch and execu
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
 
 
 def int_list(text: str) -> list[int]:
@@ -25,3 +27,15 @@ def int_list(text: str) -> list[int]:
 def name_list(text: str) -> list[str]:
     """A comma list of names, blanks dropped ("eager, ge_graph" -> ["eager", "ge_graph"])."""
     return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def guarded(main: Callable[[], int]) -> int:
+    """Run a benchmark's main: a RecipeError (an unknown size or recipe, a bad config value, a
+    missing checkpoint) is its one line and exit 2, as in infer.sh and the tools."""
+    from executor.errors import RecipeError  # here, not at the top: see the module docstring
+
+    try:
+        return main()
+    except RecipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

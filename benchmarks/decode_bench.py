@@ -55,13 +55,12 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cli import int_list  # noqa: E402
-from executor.arch import MODEL_SIZES, ModelArch, arch_from_dict  # noqa: E402
+from benchmarks.cli import guarded, int_list  # noqa: E402
+from executor.arch import ModelArch, arch_from_dict, named_size  # noqa: E402
 from executor.backends import eager_linear, packed_linear  # noqa: E402
 from executor.config import load_config  # noqa: E402
 from executor.parallel import launch, runtime  # noqa: E402
@@ -376,7 +375,8 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    cfg = dict(yaml.safe_load(MODEL_SIZES.read_text())[args.size])
+    cfg = named_size(args.size, "--size")
+    default_config(args.model)  # an unknown recipe is refused before a checkpoint is written
     if args.layers:
         cfg["num_hidden_layers"] = args.layers
     arch = arch_from_dict(cfg, args.size)
@@ -551,4 +551,4 @@ def plot(path: Path, summary: dict[int, tuple[list[Row], float]], title: str) ->
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded(main))

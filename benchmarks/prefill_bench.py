@@ -27,14 +27,13 @@ import tempfile
 from pathlib import Path
 
 import torch
-import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cli import int_list  # noqa: E402
+from benchmarks.cli import guarded, int_list  # noqa: E402
 from benchmarks.decode_bench import DTYPES, make_checkpoint, matmul_tflops, memory_bandwidth_gbs  # noqa: E402
-from executor.arch import MODEL_SIZES, ModelArch, arch_from_dict  # noqa: E402
+from executor.arch import ModelArch, arch_from_dict, named_size  # noqa: E402
 from executor.config import load_config  # noqa: E402
 from executor.platform import Platform, detect, timer  # noqa: E402
 from executor.registry import default_config, runner_class  # noqa: E402
@@ -110,7 +109,8 @@ def main(argv=None) -> int:
         p.error("--repeats >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = dict(yaml.safe_load(MODEL_SIZES.read_text())[args.size])
+    cfg = named_size(args.size, "--size")
+    default_config(args.model)  # an unknown recipe is refused before a checkpoint is written
     arch = arch_from_dict(cfg, args.size)
     platform, dtype = detect(args.device), DTYPES[args.dtype]
     print(
@@ -189,4 +189,4 @@ def plot(path: Path, rows: list, title: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded(main))

@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cli import name_list  # noqa: E402
+from benchmarks.cli import guarded, name_list  # noqa: E402
 from executor.backends import greedy  # noqa: E402
 from executor.config import PLANS, load_config  # noqa: E402
 from executor.platform import detect, profiler_activities, timer  # noqa: E402
@@ -186,4 +186,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(guarded(main))

@@ -223,9 +223,13 @@ def load_arch(model_path: str, debug_size: str) -> ModelArch:
         except OSError as exc:
             raise ArchError(f"{path}: cannot be read ({exc.strerror})") from None
         return arch_from_dict(cfg, str(path))
+    return arch_from_dict(named_size(debug_size), f"{MODEL_SIZES.name}:{debug_size}")
+
+
+def named_size(name: str, key: str = "model_config.debug_size") -> dict:
+    """The config.json fields of a named size in configs/model_sizes.yaml; `key` is what the user
+    set it with, for the error."""
     sizes = yaml.safe_load(MODEL_SIZES.read_text())
-    if debug_size not in sizes:
-        raise ArchError(
-            f"model_config.debug_size: {debug_size!r} is not a named size; allowed values: {', '.join(sizes)}"
-        )
-    return arch_from_dict(sizes[debug_size], f"{MODEL_SIZES.name}:{debug_size}")
+    if name not in sizes:
+        raise ArchError(f"{key}: {name!r} is not a named size; allowed values: {', '.join(sizes)}")
+    return dict(sizes[name])

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from benchmarks import attention_bench, decode_bench, gemm_bench, pointwise_bench, prefill_bench, step_profile
-from benchmarks.cli import int_list, name_list
+from benchmarks.cli import guarded, int_list, name_list
 from tests.fresh_python import REPO
 
 BAD = [
@@ -53,3 +53,12 @@ def test_load_bench_says_what_its_measured_process_refused(argv, said):
     )  # fmt: skip
     assert proc.returncode == 2 and f"load_bench: {said}" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "the measured process exited with 2" in proc.stderr
+
+
+@pytest.mark.parametrize("bench", [decode_bench, prefill_bench, attention_bench], ids=lambda b: b.__name__)
+@pytest.mark.parametrize("argv", [["--size", "nope"], ["--model", "nope"]], ids=["size", "model"])
+def test_an_unknown_size_or_recipe_is_one_line(bench, argv, capsys):
+    """What the recipe code refuses (a RecipeError) reaches the user as infer.sh says it: one line, exit 2."""
+    assert guarded(lambda: bench.main(argv)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "'nope' is not a" in err[0], err
