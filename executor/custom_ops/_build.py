@@ -4,8 +4,8 @@ Why built here and not shipped: the kernel must match this process's torch heade
 is compiled against the installed torch the first time a run asks for the op, and kept in a
 cache directory keyed on everything that changes the binary (sources, flags, torch and Python
 versions, the CPU's vector extensions). A later run, or another process, loads the cached
-library without a compiler. Concurrent first builds are safe: one process builds while the others wait on
-a flock in the build directory (_build_lock), then load what it built.
+library without a compiler. Concurrent first builds are safe: one process builds while the
+others wait on a flock in the build directory (_build_lock), then load what it built.
 
 The library only registers kernels (`TORCH_LIBRARY_IMPL(cann, CPU, m)`) for ops whose schema the
 Python module defined, so loading it adds no Python module: torch.ops.load_library does it.
