@@ -46,29 +46,21 @@ ENV_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 NEIGHBOUR = "import torch\ntorch.set_num_threads({threads})\na = torch.randn(1024, 1024)\nwhile True:\n    a @ a\n"
 
 
-def child(args) -> None:
+def child(args) -> int:
     """Measured process: build every mode once, then time each idle and (after the parent has
     started the neighbour) under load. Talks to the parent over stdin/stdout."""
-    sys.path.insert(0, str(ROOT))
     import torch
-    import yaml
 
     from benchmarks.decode_bench import make_checkpoint
-    from executor.arch import MODEL_SIZES
-    from executor.config import PLANS, load_config
+    from executor.arch import named_size
+    from executor.config import PLANS, ConfigError, load_config
     from executor.platform import detect
     from executor.registry import default_config, runner_class
     from executor.tokenizer import BUILTIN_TOKENIZER
 
-    sizes = yaml.safe_load(MODEL_SIZES.read_text())
-    known = ["eager", "ge_graph", *PLANS]
-    unknown = [m for m in args.modes.split(",") if m not in known]
-    for bad, what in ((args.size not in sizes, f"--size {args.size!r} is not in {MODEL_SIZES.name}"),
-                      (unknown, f"--modes: unknown {unknown}; known: {', '.join(known)}")):  # fmt: skip
-        if bad:  # one line; the parent then says the measured process ended
-            print(f"load_bench: {what}", file=sys.stderr, flush=True)
-            sys.exit(2)
-    cfg = dict(sizes[args.size])
+    cfg = named_size(args.size, "--size")  # a RecipeError: one line (guarded), then the parent says we ended
+    if unknown := [m for m in args.modes.split(",") if m not in ("eager", "ge_graph", *PLANS)]:
+        raise ConfigError(f"--modes: unknown {unknown}; known: eager, ge_graph, {', '.join(PLANS)}")
     path = Path(args.ckpt)
     if not (path / "config.json").is_file():
         make_checkpoint(cfg, path, seed=0)
@@ -104,6 +96,7 @@ def child(args) -> None:
                 "fewer_threads": sum(n < result["threads"] for n in gen.decode_threads),
             }
     print("result " + json.dumps(result), flush=True)
+    return 0
 
 
 class ChildFailed(Exception):
@@ -151,9 +144,11 @@ def main(argv=None) -> int:
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
     p.add_argument("--cache", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.child:
-        child(args)
-        return 0
+    if args.child:  # the measured process: only it imports the project (and torch)
+        sys.path.insert(0, str(ROOT))
+        from benchmarks.cli import guarded
+
+        return guarded(lambda: child(args))
     policies = args.policies.split(",")
     if unknown := [x for x in policies if x not in POLICIES]:
         p.error(f"--policies: unknown {unknown}; known: {', '.join(POLICIES)}")

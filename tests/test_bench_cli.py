@@ -40,8 +40,8 @@ def test_the_list_types():
 
 
 LOAD_BAD = [
-    (["--modes", "eager,nope"], "--modes: unknown ['nope']"),
-    (["--size", "nope"], "--size 'nope' is not in model_sizes.yaml"),
+    (["--modes", "eager,nope"], "--modes: unknown ['nope']; known: eager, ge_graph, attention"),
+    (["--size", "nope"], "--size: 'nope' is not a named size"),
 ]
 
 
@@ -51,7 +51,7 @@ def test_load_bench_says_what_its_measured_process_refused(argv, said):
         [sys.executable, "benchmarks/load_bench.py", "--policies", "passive", "--governor", "off", *argv],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    assert proc.returncode == 2 and f"load_bench: {said}" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2 and f"error: {said}" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "the measured process exited with 2" in proc.stderr
 
 
