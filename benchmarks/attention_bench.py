@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.cli import guarded, int_list, name_list  # noqa: E402
 from executor import custom_ops  # noqa: E402
+from executor.arch import named_size  # noqa: E402
 from executor.config import load_config  # noqa: E402
 from executor.ops import reference  # noqa: E402
 from executor.platform import detect  # noqa: E402
@@ -154,6 +155,7 @@ def main(argv=None) -> int:
         p.error(f"--modes: unknown {unknown}; known: {', '.join(MODES)}")
     if any(t <= args.position for t in lengths):
         p.error(f"--position {args.position} must be below every cache length {lengths}")
+    default_config(args.model), named_size(args.size, "--size")  # refused before the op table's minutes
     print(
         f"# attention_bench: position {args.position}, cache lengths {lengths}, {detect('cpu').describe()}, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; CPU timings, not Ascend results",

@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cli import guarded, name_list  # noqa: E402
+from executor.arch import named_size  # noqa: E402
 from executor.backends import greedy  # noqa: E402
 from executor.config import PLANS, load_config  # noqa: E402
 from executor.platform import detect, profiler_activities, timer  # noqa: E402
@@ -165,6 +166,7 @@ def main(argv=None) -> int:
     for m in modes:
         if m not in ("eager", "ge_graph") and m not in PLANS:
             p.error(f"--modes: unknown mode {m!r}; use eager, ge_graph or a plan ({', '.join(PLANS)})")
+    named_size(args.size, "--size")  # said as the option the user typed, not the config key it becomes
     what = "GPU kernels" if args.device == "cuda" else "top-level CPU events"
     print(f"{args.size}, {args.dtype}, batch {args.batch}, {args.prompt_len}-token prompt, {args.device}; "
           f"{args.steps} profiled steps per mode; rows: {what}")  # fmt: skip

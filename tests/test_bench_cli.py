@@ -55,10 +55,17 @@ def test_load_bench_says_what_its_measured_process_refused(argv, said):
     assert "Traceback" not in proc.stderr and "the measured process exited with 2" in proc.stderr
 
 
-@pytest.mark.parametrize("bench", [decode_bench, prefill_bench, attention_bench], ids=lambda b: b.__name__)
-@pytest.mark.parametrize("argv", [["--size", "nope"], ["--model", "nope"]], ids=["size", "model"])
-def test_an_unknown_size_or_recipe_is_one_line(bench, argv, capsys):
-    """What the recipe code refuses (a RecipeError) reaches the user as infer.sh says it: one line, exit 2."""
+SIZED = (decode_bench, prefill_bench, attention_bench, step_profile)
+UNKNOWN = [(b, ["--size", "nope"], "--size: 'nope' is not a named size") for b in SIZED]
+UNKNOWN += [(b, ["--model", "nope"], "'nope' is not a") for b in (decode_bench, prefill_bench, attention_bench)]
+
+
+@pytest.mark.parametrize(
+    ("bench", "argv", "said"), UNKNOWN, ids=[f"{b.__name__.split('.')[-1]}{a[0]}" for b, a, _ in UNKNOWN]
+)
+def test_an_unknown_size_or_recipe_is_one_line(bench, argv, said, capsys):
+    """What the recipe code refuses (a RecipeError) reaches the user as infer.sh says it: one line
+    naming the option typed (not the config key a size becomes), exit 2, before anything is measured."""
     assert guarded(lambda: bench.main(argv)) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and "'nope' is not a" in err[0], err
+    assert len(err) == 1 and err[0].startswith("error: ") and said in err[0], err
