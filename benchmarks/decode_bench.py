@@ -551,4 +551,7 @@ def plot(path: Path, summary: dict[int, tuple[list[Row], float]], title: str) ->
 
 
 if __name__ == "__main__":
-    sys.exit(guarded(main))
+    code = guarded(main)
+    if runtime.under_torchrun():
+        runtime.exit_rank(code)  # a rank of --world-size: see exit_rank
+    sys.exit(code)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -142,4 +143,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if "LOCAL_RANK" in os.environ:  # perhaps a rank (torch is imported there already)
+        from executor.parallel import runtime
+
+        if runtime.under_torchrun():
+            runtime.exit_rank(code)
+    sys.exit(code)

@@ -14,6 +14,8 @@ import io
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -370,6 +372,39 @@ def test_no_rank_environment_means_no_process_group(tmp_path):
     cfg = load_config(None, ["parallel_config.world_size=2", "parallel_config.attn_tp_size=2"])
     with pytest.raises(Exception, match=r"world_size 2 needs one process per rank.*infer\.sh"):
         QwenRunner(cfg, detect("cpu"))
+
+
+RANK_ENV = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+
+
+@pytest.mark.parametrize(
+    ("env", "argv", "code"),
+    [(RANK_ENV, ["--help"], 0), (RANK_ENV, ["run", "--set", "nope.key=1"], 2), ({}, ["--help"], 0)],
+    ids=["rank", "rank-user-error", "not-a-rank"],
+)
+def test_a_rank_ends_without_finalisation_after_its_exit_handlers(tmp_path, env, argv, code):
+    """`python -m executor.cli` in a rank (torchrun's variables set) ends through exit_rank: its
+    exit status kept, the atexit handlers run, and no Python finalisation, where a gloo thread
+    still running after destroy_process_group could abort the process (SIGABRT) after its
+    results were written. Outside a rank the process ends as usual (finalised: the control)."""
+    marker = tmp_path / "atexit"
+    script = (
+        "import atexit, runpy, sys\n"
+        f"atexit.register(lambda: open({str(marker)!r}, 'w').write('ran'))\n"
+        "class Finalised:\n"
+        "    def __del__(self):\n"
+        "        print('finalised', flush=True)\n"
+        "keep = Finalised()\n"
+        f"sys.argv = ['executor.cli', *{argv!r}]\n"
+        "runpy.run_module('executor.cli', run_name='__main__')\n"
+    )
+    rank_free = {k: v for k, v in os.environ.items() if k not in RANK_ENV}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=rank_free | env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert marker.read_text() == "ran"
+    assert ("finalised" in proc.stdout) == (not env), proc.stdout[-2000:]
 
 
 def test_the_failure_reported_is_the_cause_not_its_consequences(tmp_path):
