@@ -155,7 +155,8 @@ def main(argv=None) -> int:
         p.error(f"--modes: unknown {unknown}; known: {', '.join(MODES)}")
     if any(t <= args.position for t in lengths):
         p.error(f"--position {args.position} must be below every cache length {lengths}")
-    default_config(args.model), named_size(args.size, "--size")  # refused before the op table's minutes
+    default_config(args.model)  # an unknown recipe or size: refused before the op table's minutes
+    named_size(args.size, "--size")
     print(
         f"# attention_bench: position {args.position}, cache lengths {lengths}, {detect('cpu').describe()}, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; CPU timings, not Ascend results",
