@@ -68,7 +68,8 @@ def test_a_library_still_being_built_is_waited_for_and_a_damaged_one_said_in_one
     first build is played by this test: a library file cut short, no `finished` marker, and the
     build's flock held. The second process must wait, then load the finished library without
     building it again; a flock whose holder was killed, or a cpp_extension `lock` file that a killed
-    build left, must not be waited for."""
+    build left, must not be waited for. The waiting process has no compiler of its own ($CXX names
+    none): only a process that builds needs one."""
     needs_toolchain()
     ext = tmp_path / "ext"
     code = "from executor.backends import greedy\nprint(greedy.kernel_runs())\n"
@@ -78,7 +79,7 @@ def test_a_library_still_being_built_is_waited_for_and_a_damaged_one_said_in_one
     finished = library.with_name(_build.FINISHED)
     library.write_bytes(whole[:64])  # what a reader sees mid-link
     finished.unlink()
-    env = os.environ | {"CANN_RECIPES_EXTENSIONS_DIR": str(ext)}
+    env = os.environ | {"CANN_RECIPES_EXTENSIONS_DIR": str(ext), "CXX": str(tmp_path / "no-compiler")}
     with open(library.with_name(_build.BUILD_LOCK), "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         proc = subprocess.Popen(

@@ -182,9 +182,11 @@ def load_kernel(op: str, library: str, sources: list[str], remedy: str = CUSTOM_
     built = _built(library, paths)
     build_dir = built.parent
     if not _finished(built):
-        _check_toolchain(op, remedy)
+        # The toolchain is asked for under the lock, once this process has to build: one that only
+        # waits for another process's build loads the result without a compiler of its own.
         with _build_lock(op, build_dir):
             if not _finished(built):  # else another process built it while this one waited
+                _check_toolchain(op, remedy)
                 _compile(op, library, paths, built)
     try:
         torch.ops.load_library(str(built))
