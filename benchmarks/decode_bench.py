@@ -551,7 +551,6 @@ def plot(path: Path, summary: dict[int, tuple[list[Row], float]], title: str) ->
 
 
 if __name__ == "__main__":
-    code = guarded(main)
     if runtime.under_torchrun():
-        runtime.exit_rank(code)  # a rank of --world-size: see exit_rank
-    sys.exit(code)
+        runtime.run_rank(lambda: guarded(main))  # a rank of --world-size: see exit_rank
+    sys.exit(guarded(main))

@@ -143,10 +143,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    if "LOCAL_RANK" in os.environ:  # perhaps a rank (torch is imported there already)
+    if "LOCAL_RANK" in os.environ:  # perhaps a rank: runtime imports torch, which a rank imports anyway
         from executor.parallel import runtime
 
         if runtime.under_torchrun():
-            runtime.exit_rank(code)
-    sys.exit(code)
+            runtime.run_rank(main)
+    sys.exit(main())

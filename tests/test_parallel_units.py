@@ -377,16 +377,26 @@ def test_no_rank_environment_means_no_process_group(tmp_path):
 RANK_ENV = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
 
 
+# A bug in a rank's command: executor.cli's run_command (bound when runpy runs the module) raises.
+BUG = "import executor.errors\ndef bug(*args):\n    raise RuntimeError('a bug')\nexecutor.errors.run_command = bug\n"
+
+
 @pytest.mark.parametrize(
-    ("env", "argv", "code"),
-    [(RANK_ENV, ["--help"], 0), (RANK_ENV, ["run", "--set", "nope.key=1"], 2), ({}, ["--help"], 0)],
-    ids=["rank", "rank-user-error", "not-a-rank"],
+    ("env", "argv", "bug", "code"),
+    [
+        (RANK_ENV, ["--help"], False, 0),
+        (RANK_ENV, ["run", "--set", "nope.key=1"], False, 2),
+        (RANK_ENV, ["run"], True, 1),
+        ({}, ["--help"], False, 0),
+    ],
+    ids=["rank", "rank-user-error", "rank-bug", "not-a-rank"],
 )
-def test_a_rank_ends_without_finalisation_after_its_exit_handlers(tmp_path, env, argv, code):
+def test_a_rank_ends_without_finalisation_after_its_exit_handlers(tmp_path, env, argv, bug, code):
     """`python -m executor.cli` in a rank (torchrun's variables set) ends through exit_rank: its
     exit status kept, the atexit handlers run, and no Python finalisation, where a gloo thread
     still running after destroy_process_group could abort the process (SIGABRT) after its
-    results were written. Outside a rank the process ends as usual (finalised: the control)."""
+    results were written. A bug's exception keeps its traceback and exit status 1 on the same
+    way out. Outside a rank the process ends as usual (finalised: the control)."""
     marker = tmp_path / "atexit"
     script = (
         "import atexit, runpy, sys\n"
@@ -395,6 +405,7 @@ def test_a_rank_ends_without_finalisation_after_its_exit_handlers(tmp_path, env,
         "    def __del__(self):\n"
         "        print('finalised', flush=True)\n"
         "keep = Finalised()\n"
+        f"{BUG if bug else ''}"
         f"sys.argv = ['executor.cli', *{argv!r}]\n"
         "runpy.run_module('executor.cli', run_name='__main__')\n"
     )
@@ -405,6 +416,7 @@ def test_a_rank_ends_without_finalisation_after_its_exit_handlers(tmp_path, env,
     assert proc.returncode == code, proc.stderr[-2000:]
     assert marker.read_text() == "ran"
     assert ("finalised" in proc.stdout) == (not env), proc.stdout[-2000:]
+    assert ("RuntimeError: a bug" in proc.stderr and "Traceback" in proc.stderr) == bug, proc.stderr[-2000:]
 
 
 def test_the_failure_reported_is_the_cause_not_its_consequences(tmp_path):

@@ -130,4 +130,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    runtime.exit_rank(run_command(main, sys.argv[1:]))  # always a rank: see exit_rank
+    runtime.run_rank(lambda: run_command(main, sys.argv[1:]))  # always a rank: see exit_rank

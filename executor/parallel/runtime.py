@@ -16,6 +16,8 @@ import contextlib
 import datetime
 import os
 import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn, TextIO
 
@@ -151,6 +153,20 @@ def gather_row_tensor(t: torch.Tensor, parallel: Parallel) -> torch.Tensor:
 
 def rank_log(out_dir: Path, index: int) -> Path:
     return out_dir / f"rank_{index}.log"
+
+
+def run_rank(command: Callable[[], int]) -> NoReturn:
+    """Run a rank's `command` and end the process through exit_rank with its exit status. A bug's
+    exception (not a user error: those are exit codes already) prints its traceback and ends it with
+    status 1, as Python would, but without the finalisation exit_rank avoids: a rank that failed after
+    a compiled step could otherwise abort there instead (SIGABRT), and its launcher would report that.
+    SystemExit and KeyboardInterrupt go on as usual."""
+    try:
+        code = command()
+    except Exception:
+        traceback.print_exc()
+        code = 1
+    exit_rank(code)
 
 
 def exit_rank(code: int) -> NoReturn:
