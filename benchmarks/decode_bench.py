@@ -540,7 +540,7 @@ def plot(path: Path, summary: dict[int, tuple[list[Row], float]], title: str) ->
     fig, ax = plt.subplots(figsize=(8, 5))
     for n in [r.name for r in summary[batches[0]][0]]:
         ax.plot(batches, [b * 1e3 / next(r for r in summary[b][0] if r.name == n).ms for b in batches], "o-", label=n)
-    ax.plot(batches, [b * 1e3 / summary[b][1] for b in batches], "k--", label="roofline")
+    ax.plot(batches, [b * 1e3 / summary[b][1] for b in batches], "k--", label="roofline (the start's readings)")
     ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="decode tokens/s", title=title)
     ax.set_xticks(batches, [str(b) for b in batches])
     ax.grid(alpha=0.3, which="both")
