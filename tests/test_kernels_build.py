@@ -128,6 +128,24 @@ def test_a_library_still_being_built_is_waited_for_and_a_damaged_one_said_in_one
     assert not any("waiting" in line for line in said), said
 
 
+def test_the_pre_flight_lets_a_run_without_a_compiler_wait_for_another_processs_build(tmp_path, monkeypatch):
+    """A listed custom op whose library another process is building: the pre-flight must not ask
+    this run for a compiler (load_kernel waits for that build and loads it). With nobody building,
+    a run without a compiler is still told so in one line."""
+    monkeypatch.setenv(_build.EXTENSIONS_ENV, str(tmp_path / "ext"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-compiler"))
+    op, library, sources = "cann_test::waits", "cann_test_waits", ["decode_attention.cpp"]
+    with pytest.raises(_build.KernelBuildError, match="not an executable compiler"):
+        _build.check_buildable(op, library, sources)
+    build_dir = _build._built(library, _build._sources(op, sources)).parent
+    build_dir.mkdir(parents=True)
+    with open(build_dir / _build.BUILD_LOCK, "a") as held:
+        with pytest.raises(_build.KernelBuildError, match="not an executable compiler"):
+            _build.check_buildable(op, library, sources)  # a lock file nobody holds: no build running
+        fcntl.flock(held, fcntl.LOCK_EX)  # another open file: the pre-flight's own flock conflicts with it
+        _build.check_buildable(op, library, sources)
+
+
 def test_a_kernel_cache_that_cannot_be_written_is_said_in_one_line(tmp_path, monkeypatch):
     """$CANN_RECIPES_EXTENSIONS_DIR under a file (as root, a read-only directory would still be
     writable): an optional kernel says so in one line and its calls go to the fallback; for a

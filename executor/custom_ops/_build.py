@@ -162,11 +162,27 @@ def _build_lock(op: str, build_dir: Path):
         yield  # the flock goes with the file
 
 
+def _being_built(build_dir: Path) -> bool:
+    """Another process holds the build's flock now (a look, not a wait: _build_lock waits)."""
+    try:
+        with open(build_dir / BUILD_LOCK, "rb") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(f, fcntl.LOCK_UN)
+    except OSError:  # no lock file: nobody has started a build
+        pass
+    return False
+
+
 def check_buildable(op: str, library: str, sources: list[str], remedy: str = CUSTOM_OPS_REMEDY) -> None:
-    """Pre-flight: the kernel is loaded already, built already, or can be built here (compiler, ninja)."""
+    """Pre-flight: the kernel is loaded already, built already, being built by another process
+    (load_kernel waits for it, needing no compiler), or can be built here (compiler, ninja)."""
     if library in _loaded:
         return
-    if not _finished(_built(library, _sources(op, sources))):
+    built = _built(library, _sources(op, sources))
+    if not _finished(built) and not _being_built(built.parent):
         _check_toolchain(op, remedy)
 
 
