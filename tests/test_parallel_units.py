@@ -396,7 +396,8 @@ def test_a_rank_ends_without_finalisation_after_its_exit_handlers(tmp_path, env,
     exit status kept, the atexit handlers run, and no Python finalisation, where a gloo thread
     still running after destroy_process_group could abort the process (SIGABRT) after its
     results were written. A bug's exception keeps its traceback and exit status 1 on the same
-    way out. Outside a rank the process ends as usual (finalised: the control)."""
+    way out, and what C code printed is not lost in libc's buffer. Outside a rank the process ends
+    as usual (finalised: the control)."""
     marker = tmp_path / "atexit"
     script = (
         "import atexit, runpy, sys\n"
@@ -405,17 +406,20 @@ def test_a_rank_ends_without_finalisation_after_its_exit_handlers(tmp_path, env,
         "    def __del__(self):\n"
         "        print('finalised', flush=True)\n"
         "keep = Finalised()\n"
+        "import ctypes\nctypes.CDLL(None).printf(b'from C\\n')\n"  # in libc's buffer: stdout is a pipe
         f"{BUG if bug else ''}"
         f"sys.argv = ['executor.cli', *{argv!r}]\n"
         "runpy.run_module('executor.cli', run_name='__main__')\n"
     )
-    rank_free = {k: v for k, v in os.environ.items() if k not in RANK_ENV}
+    # without PYTHONUNBUFFERED (a user's rank may not have it), which makes libc's stdout unbuffered too
+    rank_free = {k: v for k, v in os.environ.items() if k not in {*RANK_ENV, "PYTHONUNBUFFERED"}}
     proc = subprocess.run(
         [sys.executable, "-c", script], cwd=REPO, env=rank_free | env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == code, proc.stderr[-2000:]
     assert marker.read_text() == "ran"
     assert ("finalised" in proc.stdout) == (not env), proc.stdout[-2000:]
+    assert "from C" in proc.stdout, proc.stdout[-2000:]
     assert ("RuntimeError: a bug" in proc.stderr and "Traceback" in proc.stderr) == bug, proc.stderr[-2000:]
 
 

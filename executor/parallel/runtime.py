@@ -13,6 +13,7 @@ compiled. A rank that dies is torchrun's to notice: it stops the others within s
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import os
 import sys
@@ -172,7 +173,7 @@ def run_rank(command: Callable[[], int]) -> NoReturn:
 def exit_rank(code: int) -> NoReturn:
     """End this rank's process with `code`, skipping Python's finalisation: the atexit handlers
     (a compile directory's removal, Inductor's worker pool) run first, while the interpreter is
-    whole, and stdout/stderr are flushed.
+    whole, and stdout/stderr are flushed (Python's buffers and libc's).
 
     Why: destroy_process_group() stops only the backends nothing else holds, and after a
     compiled decode step something in torch does (2.13, gloo: the backend's three threads still
@@ -188,6 +189,8 @@ def exit_rank(code: int) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+    with contextlib.suppress(Exception):  # C and C++ output still in libc's buffers (a rank log is a file)
+        ctypes.CDLL(None).fflush(None)
     os._exit(code)
 
 
