@@ -180,7 +180,9 @@ def test_moe_search_on_two_ranks(tmp_path, shared_dir, capsys):
     searched unchanged: the eager reference and each candidate's accuracy run go through torchrun
     (tools/rank_generate.py), the measured runs through infer.sh, which starts its own ranks; a
     plan the model has no region for (mlp) is skipped with the reason. (The single-device search
-    path is the dense tests'; one MoE search covers the recipe, as each costs about a minute.)"""
+    path is the dense tests'; one MoE search covers the recipe, as each costs about a minute.)
+    Its measured runs are also the multi-rank test of tools/sk_compare.py, which measures through
+    the same function (tools.measure.measure) and has no rank-specific code of its own."""
     config = recipe_config(tmp_path / "moe.yaml", shared_dir / "tiny_moe", shared_dir / "compile_cache", "qwen3_moe")
     before = config.read_text()
     space = tmp_path / "space.yaml"
@@ -208,6 +210,14 @@ def test_moe_search_on_two_ranks(tmp_path, shared_dir, capsys):
     assert metrics["superkernel"]["ran"] and len(metrics["generated_token_ids"]) == 2
     assert config.read_text() == before
     assert (out / "ranks" / "rank_1.log").is_file()  # the accuracy runs' second rank
+    # the measured runs (tools.measure, as sk_compare's: infer.sh starts the ranks): rank 0's
+    # metrics and log, every rank's log in the run's directory
+    for name, sk_on in (("baseline", False), ("moe", True)):
+        run = json.loads((out / "logs" / "runs" / f"{name}.1" / "metrics.json").read_text())
+        assert run["world_size"] == 2 and run["superkernel"]["ran"] is sk_on and len(run["decode_ms"]) == 5
+        assert (out / "logs" / "runs" / f"{name}.1" / "rank_1.log").is_file()
+        assert (out / "logs" / f"{name}.1.log").read_text().count("inference time cost of decode is") == 5
+        assert status["candidates"][name]["summary"]["ok_runs"] == 1
     # the decode-path perplexity of the gate, its rows split over the two attention-DP groups (a
     # padded group: one real row) and summed back: the one-device eager value
     from executor.config import load_config

@@ -150,28 +150,6 @@ def _wait_for(predicate, what: str, limit_s: float = 120.0) -> None:
         time.sleep(0.2)
 
 
-def test_two_rank_config_compared_unchanged(tmp_path, user_config, capsys):
-    """A user's multi-rank config (tensor parallel 2): sk_compare runs each side through
-    infer.sh, which starts the ranks itself; rank 0's metrics and every rank's log per run."""
-    path = tmp_path / "two_ranks.yaml"
-    path.write_text(user_config.read_text() + "parallel_config:\n  world_size: 2\n  attn_tp_size: 2\n")
-    before = path.read_bytes()
-    out = tmp_path / "report"
-    rc, _stdout, err = compare(
-        capsys, "--config", str(path), "--plan", "decoder", "--runs", "1", "--warmup", "0", "--out", str(out)
-    )
-    assert rc == 0, err
-    assert path.read_bytes() == before
-    for side, sk_on in (("baseline", False), ("optimized", True)):
-        run = out / "runs" / f"{side}.1"
-        metrics = json.loads((run / "metrics.json").read_text())
-        assert metrics["world_size"] == 2 and metrics["parallel"]["attn_tp"] == 2
-        assert metrics["superkernel"]["ran"] is sk_on and len(metrics["decode_ms"]) == 5
-        assert (run / "rank_1.log").is_file() and (out / f"{side}.1.log").read_text().count("cost of decode is") == 5
-    summary = json.loads((out / "results.json").read_text())["summary"]
-    assert summary["baseline"]["ok_runs"] == summary["optimized"]["ok_runs"] == 1
-
-
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_mid_run_leaves_config_identical_and_no_child(tmp_path, user_config, sig):
     """Ctrl-C (or a job killer's SIGTERM) while a real infer.sh run is in flight."""
