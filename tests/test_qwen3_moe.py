@@ -194,18 +194,34 @@ def eager_generation(checkpoints):
     return make_runner(checkpoints["mlp_only_layers"]).generate([PROMPT], NEW_TOKENS)
 
 
-@pytest.mark.parametrize(
-    "plan,labels",
-    [
-        (None, []),
-        ("attention", ["layer_0_attn", "layer_1_attn", "layer_2_attn"]),
-        ("moe", ["layer_0_moe", "layer_2_moe"]),  # only the MoE layers of the mixed model
-        ("mlp", ["layer_1_mlp"]),
-        ("layer", ["layer_0", "layer_1", "layer_2"]),
-        ("decoder", ["decode_layers"]),
-    ],
-)
-def test_ge_graph_matches_eager(checkpoints, eager_generation, plan, labels):
+# Each plan's scopes on the mixed model (MoE layers 0 and 2, a dense MLP in layer 1): what the
+# model's regions give, read before anything compiles.
+PLAN_LABELS = {
+    "attention": ["layer_0_attn", "layer_1_attn", "layer_2_attn"],
+    "moe": ["layer_0_moe", "layer_2_moe"],  # only the MoE layers of the mixed model
+    "mlp": ["layer_1_mlp"],
+    "layer": ["layer_0", "layer_1", "layer_2"],
+    "decoder": ["decode_layers"],
+}
+
+
+def test_every_plan_marks_the_mixed_models_regions(checkpoints):
+    for plan, labels in PLAN_LABELS.items():
+        runner = make_runner(
+            checkpoints["mlp_only_layers"],
+            "model_config.exe_mode=ge_graph",
+            "model_config.enable_superkernel=true",
+            f"model_config.superkernel.plan={plan}",
+        )
+        assert sorted(s.label for s in runner.plan.scopes) == labels, plan
+
+
+# Compiled against eager: no scope, and the plans whose scopes hold the MoE block or the dense MLP
+# (one launch unit per scope). The attention and layer plans' scopes hold the shared attention
+# code, compiled per plan on the dense models (tests/test_graph_mode.py), and the MoE block
+# outside a scope is the no-plan case here: each compile here costs ~25-30 s of the suite.
+@pytest.mark.parametrize("plan", [None, "moe", "mlp", "decoder"])
+def test_ge_graph_matches_eager(checkpoints, eager_generation, plan):
     sk = ["model_config.enable_superkernel=true", f"model_config.superkernel.plan={plan}"] if plan else []
     runner = make_runner(checkpoints["mlp_only_layers"], "model_config.exe_mode=ge_graph", *sk)
     gen = runner.generate([PROMPT], NEW_TOKENS)
@@ -213,7 +229,7 @@ def test_ge_graph_matches_eager(checkpoints, eager_generation, plan, labels):
     assert cosine(gen.last_logits, eager_generation.last_logits) > 0.9999
     stats = dataclasses.asdict(runner.step.report())
     assert stats["graphs"] == 1 and stats["recompiles"] == 0  # fullgraph, static shapes
-    assert sorted(s.label for s in runner.plan.scopes) == labels
+    labels = PLAN_LABELS.get(plan, [])
     scopes = {s["label"]: s for s in stats["scopes"]}
     assert sorted(scopes) == labels
     for s in scopes.values():  # every scope really ran as one launch unit, each decode step
