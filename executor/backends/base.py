@@ -114,7 +114,7 @@ class StepReport:
     cache_dir: str | None = None
     cache_enabled: bool = False
     cache_key: dict | None = None  # what the cache directory is keyed on (see cache_key)
-    cache_lookups: dict | None = None  # {"hits": n, "misses": n} of the first call; None: not counted
+    cache_lookups: dict | None = None  # {"hits", "misses", "aot_hits", "aot_misses", "aot_bypasses"}: first call
     scopes: list[dict] = field(default_factory=list)  # one dict per scope label, backend-specific detail
     superkernel_ran: bool | None = False  # None: not observable (e.g. the graph came from a cache)
 

@@ -232,3 +232,43 @@ def before_inductor(gm: torch.fx.GraphModule, device: str, launch_unit: bool = F
         _lower_cpu_gemms(gm, decomposes_small=launch_unit)
     elif device == "cuda":
         _gemv_to_reduction(gm, device=device)
+    _give_example_values(gm)
+
+
+def _give_example_values(gm: torch.fx.GraphModule) -> None:
+    """Give the nodes the passes above call a method on (and what those need) the example value
+    Dynamo gives its own nodes: a fake tensor, computed from the inputs' values.
+
+    Why: AOTAutograd's cache bypasses a graph in which a method is called on a node without one
+    ("Unsupported call_method target"), and the rewrites call `unsqueeze` and `sum` on nodes
+    they insert. Such a graph went through AOTAutograd again on every run whose Inductor cache
+    was warm: 2-3 s of the default run's start (BENCHMARKS.md, "thirty-third pass"). Run last, so
+    no pass above sees a value it did not see before. Only from Dynamo's fake mode (the graph
+    inputs'): a node whose inputs have no value, or one in another mode, keeps none."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    need: set[torch.fx.Node] = set()
+    todo = [n.args[0] for n in gm.graph.nodes if n.op == "call_method" and isinstance(n.args[0], torch.fx.Node)]
+    while todo:
+        node = todo.pop()
+        if node in need or "example_value" in node.meta or node.op not in ("call_function", "call_method"):
+            continue
+        need.add(node)
+        todo.extend(node.all_input_nodes)
+    inputs = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = next((v.fake_mode for v in inputs if isinstance(v, FakeTensor)), None)  # Dynamo's
+    if not need or mode is None:
+        return
+    missing = object()
+    with mode:
+        for node in gm.graph.nodes:  # in order: a node's inputs get their values first
+            if node not in need:
+                continue
+            args, kwargs = torch.fx.node.map_arg(
+                (node.args, node.kwargs), lambda a: a.meta.get("example_value", missing)
+            )
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+            if any(a is missing or (isinstance(a, FakeTensor) and a.fake_mode is not mode) for a in leaves):
+                continue
+            fn = getattr(args[0], node.target) if node.op == "call_method" else node.target
+            node.meta["example_value"] = fn(*(args[1:] if node.op == "call_method" else args), **kwargs)

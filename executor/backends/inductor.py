@@ -379,14 +379,22 @@ class InductorStep(CompiledStep):
 
 
 def _fx_graph_cache_counts() -> dict[str, int]:
-    """Inductor's FX graph cache lookups so far in this process (torch._dynamo's counters).
+    """Inductor's FX graph cache lookups so far in this process, and AOTAutograd's, whose cache
+    sits in front of it (torch._dynamo's counters).
 
     Why: whether a run's compile came from enable_cache_compile's cache is a fact to record,
-    not something to infer from compile_s, which a busy neighbour changes as much as a cache."""
+    not something to infer from compile_s, which a busy neighbour changes as much as a cache. A
+    graph AOTAutograd bypasses is traced and lowered again on every run, cache or not."""
     from torch._dynamo.utils import counters
 
-    counts = counters["inductor"]
-    return {"hits": counts["fxgraph_cache_hit"], "misses": counts["fxgraph_cache_miss"]}
+    fx, aot = counters["inductor"], counters["aot_autograd"]
+    return {
+        "hits": fx["fxgraph_cache_hit"],
+        "misses": fx["fxgraph_cache_miss"],
+        "aot_hits": aot["autograd_cache_hit"],
+        "aot_misses": aot["autograd_cache_miss"],
+        "aot_bypasses": aot["autograd_cache_bypass"],
+    }
 
 
 def _isolated_recompiles() -> dict:
