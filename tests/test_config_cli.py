@@ -220,6 +220,19 @@ def test_infer_sh_help():
     assert "--set" in proc.stdout and "KEY=VALUE" in proc.stdout and "--out" in proc.stdout
 
 
+def test_infer_sh_finds_what_is_installed_without_importing_it(tmp_path):
+    """infer.sh's `have`: true only when every module named is installed (a dotted name whose
+    package is missing too), found without running the module's code."""
+    have = next(ln for ln in (REPO / "infer.sh").read_text().splitlines() if ln.startswith("have()"))
+    (tmp_path / "loud.py").write_text("raise SystemExit('imported')\n")  # importing it would fail
+    cases = {"torch": 0, "torch yaml ruamel.yaml": 0, "loud": 0, "torch no_such_module": 1, "ruamel.nope": 1}
+    cases |= {"no_such_package.mod": 1}
+    for modules, rc in cases.items():
+        script = f'PY="{sys.executable}"\n{have}\nhave {modules}'
+        proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+        assert proc.returncode == rc, modules
+
+
 EAGER = ["--set", "model_config.exe_mode=eager", "--set", "model_config.enable_superkernel=false"]
 EAGER += ["--set", "model_config.enable_cache_compile=false"]
 
