@@ -9,8 +9,10 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3}"
-"$PY" -c "import torch" >/dev/null 2>&1 || "$PY" -m pip install -q "torch==2.13.0"
-{ "$PY" -c "import transformers, pytest, xdist, ruamel.yaml, pandas, matplotlib, safetensors, tokenizers, google.protobuf, packaging" \
+# What is installed is found without importing it (infer.sh's `have`: importing torch alone takes ~3 s).
+have() { "$PY" -c 'import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in sys.argv[1:]))' "$@" >/dev/null 2>&1; }
+have torch || "$PY" -m pip install -q "torch==2.13.0"
+{ have transformers pytest xdist ruamel.yaml pandas matplotlib safetensors tokenizers google.protobuf packaging \
   && "$PY" -m ruff --version; } >/dev/null 2>&1 || "$PY" -m pip install -q -e "$ROOT[test]"
 cd "$ROOT"
 "$PY" -m ruff format --check --quiet . || { echo "ruff format: run 'ruff format .' to fix" >&2; exit 1; }
