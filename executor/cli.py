@@ -53,11 +53,14 @@ def cmd_run(argv: list[str]) -> int:
     args = run_parser().parse_args(argv)
     from executor.config import load_config
     from executor.platform import detect
-    from executor.runner import default_out_dir
 
-    runner_cls = runner_class(args.model)
+    # The recipe, the YAML and its keys are checked before anything imports torch (2-3 s): a typo
+    # is answered at once.
     config = config_path(args.model, args.yaml, args.config)
     cfg = load_config(config, args.overrides)
+    runner_cls = runner_class(args.model)
+    from executor.runner import default_out_dir
+
     platform = detect(cfg.model_config.device)
     out = Path(args.out or cfg.model_config.output_path or default_out_dir(cfg, args.model))
     where = "--out" if args.out else "model_config.output_path"

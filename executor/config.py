@@ -34,7 +34,7 @@ import yaml
 
 from executor import custom_ops
 from executor.errors import RecipeError
-from executor.scope import REGION_KINDS, parse_options
+from executor.scope_grammar import REGION_KINDS, parse_options
 
 EXE_MODES = ("eager", "ge_graph", "npugraph_ex")
 PLANS = (*REGION_KINDS, "custom")

@@ -5,7 +5,9 @@ documented for A2/A3 only; some fused ops differ per SoC), yet the project is de
 tested on machines without an NPU. ``torch_npu`` cannot even be imported there (it needs the
 CANN libraries), so it is imported lazily, only inside :func:`detect`, and every other piece
 of evidence (``npu-smi`` text, the CANN install file) is parsed by pure functions that the
-tests exercise with recorded samples.
+tests exercise with recorded samples. torch itself is imported inside the functions that use it:
+a command's `--help` and its argument errors come before any of them, and `import torch` alone takes
+2-3 s (sk_compare imports this module at its top).
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
 
 from executor.backends.npu_probe import probe as probe_npu
 from executor.config import DEVICES
@@ -187,11 +187,15 @@ def cpu_runs_bf16() -> bool:
     1.7x the fp32 one (BENCHMARKS.md, seventeenth pass), so a bf16 run there is told so. (The large
     projections of the prefill and of every decode step now run AVX2 kernels of ours there instead,
     "eighteenth" and "nineteenth pass"; attention and small weights still pay.)"""
+    import torch
+
     return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def detect(device: str = "auto") -> Platform:
     """Resolve ``device`` to a Platform; an explicit request that cannot be met raises."""
+    import torch
+
     if device not in DEVICES:
         raise PlatformError(f"unknown device {device!r}; allowed: {', '.join(DEVICES)}")
     if device in ("auto", "npu"):
@@ -237,6 +241,8 @@ def _dist_version(name: str) -> str | None:
 
 def software_versions() -> dict[str, str | None]:
     """Versions for run reports; torch_npu is looked up in metadata, never imported."""
+    import torch
+
     return {
         "python": "{}.{}.{}".format(*sys.version_info[:3]),
         "torch": torch.__version__,
@@ -248,6 +254,8 @@ def software_versions() -> dict[str, str | None]:
 
 def timer(platform: Platform) -> Callable[[], float]:
     """perf_counter that first waits for the device, so step times are real."""
+    import torch
+
     sync: Callable[[], None] = lambda: None  # noqa: E731
     if platform.kind == "cuda":
         sync = torch.cuda.synchronize
@@ -264,6 +272,8 @@ def timer(platform: Platform) -> Callable[[], float]:
 def profiler_activities(platform: Platform) -> list:
     """What the torch profiler records here: CPU events, and on CUDA the kernels themselves (a
     CPU-only trace of a CUDA step shows its launches, not where the GPU's time goes)."""
+    import torch
+
     activities = [torch.profiler.ProfilerActivity.CPU]
     if platform.kind == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)

@@ -220,6 +220,37 @@ def test_infer_sh_help():
     assert "--set" in proc.stdout and "KEY=VALUE" in proc.stdout and "--out" in proc.stdout
 
 
+# In a fresh Python: executor.cli.main(argv), its output swallowed; prints the exit code and whether
+# torch got imported.
+WITHOUT_TORCH = """
+import contextlib, io, sys
+import executor.cli as cli
+with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    try:
+        rc = cli.main(sys.argv[1:])
+    except SystemExit as exc:
+        rc = exc.code
+print(rc, "torch" in sys.modules)
+"""
+
+
+def test_help_and_config_errors_come_before_torch():
+    """`--help` of infer.sh and sk_compare, and a wrong recipe, YAML, key or value, are answered
+    before anything imports torch (`import torch` alone is 2-3 s)."""
+    cases = {
+        "run --help": 0,
+        "compare --help": 0,
+        "run --model nope": 2,
+        "run --yaml nope": 2,
+        "run --set model_config.nope=1": 2,
+        "run --set model_config.exe_mode=eagerr": 2,
+    }
+    for argv, rc in cases.items():
+        cmd = [sys.executable, "-c", WITHOUT_TORCH, *argv.split()]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        assert proc.stdout.split() == [str(rc), "False"], (argv, proc.stdout, proc.stderr[-2000:])
+
+
 def test_infer_sh_finds_what_is_installed_without_importing_it(tmp_path):
     """infer.sh's `have`: true only when every module named is installed (a dotted name whose
     package is missing too), found without running the module's code."""
