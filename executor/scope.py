@@ -1,4 +1,5 @@
-"""SuperKernel scopes: the options grammar, regions, scope plans and `superkernel_scope`.
+"""SuperKernel scopes: regions, scope plans and `superkernel_scope` (the options grammar and the region
+kinds are in executor.scope_grammar, which needs no torch; re-exported here).
 
 Model files only *declare* regions (`ctx.scopes.region("layer_3_attn")`); a scope plan chosen in
 config decides which regions become SuperKernel scopes, and only in decode (prefill never runs
