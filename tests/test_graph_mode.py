@@ -295,8 +295,8 @@ def test_enable_cache_compile_second_run_compiles_from_the_cache(tmp_path, qwen3
     fx = ("hits", "misses")
     assert first["cache_lookups"]["misses"] > 0 and first["cache_lookups"]["hits"] == 0, first
     assert {k: second["cache_lookups"][k] for k in fx} == {"hits": first["cache_lookups"]["misses"], "misses": 0}
-    # AOTAutograd's cache too: no graph bypasses it (the decode attention's rewrite once made one
-    # that did, traced and lowered again on every warm run), so the second run hits it per graph
+    # AOTAutograd's cache too: no graph bypasses it (the graph passes' rewrites once made one that
+    # did, traced and lowered again on every warm run), so the second run hits it per graph
     assert first["cache_lookups"]["aot_bypasses"] == second["cache_lookups"]["aot_bypasses"] == 0, first
     assert first["cache_lookups"]["aot_misses"] == second["cache_lookups"]["aot_hits"] > 0, second
     assert second["cache_lookups"]["aot_misses"] == 0, second
