@@ -531,23 +531,33 @@ def print_batch_summary(summary: dict[int, tuple[list[Row], float]]) -> None:
 
 def plot(path: Path, summary: dict[int, tuple[list[Row], float]], title: str) -> None:
     """tokens/s against batch size per mode (log-log), the roofline dashed."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(summary, title)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def figure(summary: dict[int, tuple[list[Row], float]], title: str):
+    """The plot's figure, batches in increasing order whatever order --batch gave them in, each
+    batch labelled once: a log axis also labels its minor ticks, which printed "6x10^4" over "64"."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    batches = list(summary)
+    batches = sorted(summary)
     fig, ax = plt.subplots(figsize=(8, 5))
     for n in [r.name for r in summary[batches[0]][0]]:
         ax.plot(batches, [b * 1e3 / next(r for r in summary[b][0] if r.name == n).ms for b in batches], "o-", label=n)
     ax.plot(batches, [b * 1e3 / summary[b][1] for b in batches], "k--", label="roofline (the start's readings)")
     ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="decode tokens/s", title=title)
     ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xticks([], minor=True)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
 
 
 if __name__ == "__main__":

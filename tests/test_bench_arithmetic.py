@@ -12,7 +12,15 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.attention_bench import paired
-from benchmarks.decode_bench import Row, moved, print_batch_summary, print_table, step_cost, token_check
+from benchmarks.decode_bench import (
+    Row,
+    figure,
+    moved,
+    print_batch_summary,
+    print_table,
+    step_cost,
+    token_check,
+)
 from benchmarks.prefill_bench import prefill_cost
 from executor.arch import load_arch
 
@@ -79,6 +87,16 @@ def test_the_tables_show_each_modes_ratio_flags_and_tokens(capsys):
     print_batch_summary({16: (rows, 80.0)})
     summary = capsys.readouterr().out
     assert "| ours eager | 80.0 (2.50) |" in summary and "| ours ge_graph | 160.0 (1.25?) |" in summary
+
+
+def test_the_plot_puts_batches_in_order_and_labels_each_once():
+    """--batch 64,16,4 ran in that order (the H200 sweep); its plot labelled the log axis' minor
+    ticks over the batch labels ("6x10^4" on top of "64")."""
+    summary = {b: ([Row("ours eager", 10.0 * b, None, [[1]])], 1.0 * b) for b in (64, 16, 4)}
+    ax = figure(summary, "t").axes[0]
+    assert list(ax.lines[0].get_xdata()) == [4, 16, 64]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["4", "16", "64"]
+    assert [t.get_text() for t in ax.get_xticklabels(minor=True)] == []
 
 
 def test_token_check_names_the_first_step_any_row_departs():
