@@ -93,10 +93,14 @@ def test_the_plot_puts_batches_in_order_and_labels_each_once():
     """--batch 64,16,4 ran in that order (the H200 sweep); its plot labelled the log axis' minor
     ticks over the batch labels ("6x10^4" on top of "64")."""
     summary = {b: ([Row("ours eager", 10.0 * b, None, [[1]])], 1.0 * b) for b in (64, 16, 4)}
-    ax = figure(summary, "t").axes[0]
+    import matplotlib.pyplot as plt
+
+    fig = figure(summary, "t")
+    ax = fig.axes[0]
     assert list(ax.lines[0].get_xdata()) == [4, 16, 64]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["4", "16", "64"]
     assert [t.get_text() for t in ax.get_xticklabels(minor=True)] == []
+    plt.close(fig)
 
 
 def test_token_check_names_the_first_step_any_row_departs():
