@@ -531,10 +531,10 @@ def print_batch_summary(summary: dict[int, tuple[list[Row], float]]) -> None:
 
 def plot(path: Path, summary: dict[int, tuple[list[Row], float]], title: str) -> None:
     """tokens/s against batch size per mode (log-log), the roofline dashed."""
-    import matplotlib.pyplot as plt
-
     fig = figure(summary, title)
     fig.savefig(path, dpi=100)
+    import matplotlib.pyplot as plt  # after figure(), which chose the Agg backend
+
     plt.close(fig)
 
 

@@ -92,9 +92,9 @@ def test_the_tables_show_each_modes_ratio_flags_and_tokens(capsys):
 def test_the_plot_puts_batches_in_order_and_labels_each_once():
     """--batch 64,16,4 ran in that order (the H200 sweep); its plot labelled the log axis' minor
     ticks over the batch labels ("6x10^4" on top of "64")."""
-    summary = {b: ([Row("ours eager", 10.0 * b, None, [[1]])], 1.0 * b) for b in (64, 16, 4)}
     import matplotlib.pyplot as plt
 
+    summary = {b: ([Row("ours eager", 10.0 * b, None, [[1]])], 1.0 * b) for b in (64, 16, 4)}
     fig = figure(summary, "t")
     ax = fig.axes[0]
     assert list(ax.lines[0].get_xdata()) == [4, 16, 64]
