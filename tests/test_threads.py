@@ -10,8 +10,10 @@ import time
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from executor import threads as th
+from executor.backends import inductor as inductor_backend
 from executor.threads import RunQueueClock, ThreadGovernor
 
 
@@ -28,13 +30,18 @@ def governor():
 
 
 def feed(
-    gov: ThreadGovernor, steps: list[tuple[float, float]], known: bool = False, compiles: bool = True
+    gov: ThreadGovernor,
+    steps: list[tuple[float, float]],
+    known: bool = False,
+    compiles: bool = True,
+    recount_ms=None,
 ) -> list[int]:
     """Run `steps` (ms, wait ms) through one decode call (`known`: the governor is told how many
-    steps it has; `compiles`: a compiled step, not eager's); the thread count each step ran with.
-    `gov.samples` is what observe returned."""
+    steps it has; `compiles`: a compiled step, not eager's; `recount_ms`: the backend's estimate of
+    a compile at a new count); the thread count each step ran with. `gov.samples` is what observe
+    returned."""
     ran, gov.samples = [], []
-    with gov.decoding(key="step", steps=len(steps) if known else None, compiles=compiles):
+    with gov.decoding(key="step", steps=len(steps) if known else None, compiles=compiles, recount_ms=recount_ms):
         for ms, wait in steps:
             ran.append(gov.threads)
             gov.samples.append(gov.observe(ms, wait))
@@ -108,6 +115,23 @@ def test_no_compile_is_tried_that_the_steps_left_cannot_pay_for(governor):
     # a call long enough for the steps left to pay for it tries as soon as the waiting is heavy
     ran = feed(governor, [*[(4.0, 3.0)] * 3_000], known=True)
     assert ran[: th.WINDOW] == [2] * th.WINDOW and ran[th.WINDOW] == 1
+
+
+def test_a_new_count_is_weighed_at_what_its_compile_costs_not_the_first(governor):
+    # load_bench's late neighbour at the 0.6B shape on the AVX2 kind: a 100 s first compile, then
+    # 16-step calls of 2.9 s steps that waited most of their time. Against the first compile the
+    # steps left in a call (at most 38 s) never pay for a try; against the backend's estimate of a
+    # compile at a new count (10 s: Inductor's cache holds the kernels) they do, and the first
+    # call's 32 s of waiting has paid for it already, so the try comes after PROBE steps
+    governor.compiled.add(("step", 2))
+    governor.compile_ms["step"] = 100_000.0
+    heavy = [(2_900.0, 2_000.0)] * 16
+    assert feed(governor, heavy, known=True) == [2] * 16 and governor.changes == []
+    assert all("(~100.0 s)" in line for line in governor.lines)
+    ran = feed(governor, heavy, known=True, recount_ms=lambda: 10_000.0)
+    assert ran[: th.PROBE] == [2] * th.PROBE and ran[th.PROBE] == 1
+    # the try's first step compiled the step for 1 thread: what that took is the next count's cost
+    assert governor.recount_ms["step"] == 2_900.0
 
 
 def test_an_eager_step_has_nothing_to_compile_at_a_new_count(governor):
@@ -203,6 +227,8 @@ def test_steps_on_fewer_threads_give_the_same_tokens(make_qwen_runner, qwen3_ckp
     1 thread) gives the tokens of a run on 2 threads."""
     monkeypatch.setattr(th, "CONTENDED", float("inf"))  # no tries of its own: the counts are the test's
     monkeypatch.setattr(th, "FIRST_WAIT", {"down": 10**6, "up": 10**6})
+    # the test model's weights are small: let its kernels read the count as a large model's do
+    monkeypatch.setattr(inductor_backend, "DYNAMIC_THREADS_NUMEL", 0)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -211,7 +237,15 @@ def test_steps_on_fewer_threads_give_the_same_tokens(make_qwen_runner, qwen3_ckp
         prompt = [[5, 6, 7, 8], [9, 10, 11, 12]]
         both = runner.generate(prompt, 6)
         runner.threads.level = 1
+        misses = counters["inductor"]["fxgraph_cache_miss"]
         one = runner.generate(prompt, 6)
+        if exe_mode == "ge_graph":
+            # the kernels read the count when they run: the step is traced again for 1 thread, but
+            # Inductor's cache hands back every graph it lowered for 2, and the governor was told
+            # that a new count costs less than the first compile
+            assert counters["inductor"]["fxgraph_cache_miss"] == misses
+            assert 0 < runner.step.recount_s < runner.step.compile_s
+            assert runner.threads.recount_ms[(runner.step_key, 2)] == one.decode_ms[0]
         assert both.decode_threads == [2] * 5 and one.decode_threads == [1] * 5
         assert one.token_ids == both.token_ids
         torch.testing.assert_close(one.last_logits, both.last_logits, rtol=1e-4, atol=1e-4)

@@ -139,6 +139,10 @@ class CompiledStep:
         self._compiles = count_graphs is not None
         self.calls = self.graphs = self.recompiles = 0
         self.compile_s = 0.0
+        # What compiling the step again for another thread count costs, where the backend knows it
+        # to be less than the first compile (None: as much). The thread governor weighs a try at
+        # fewer threads against it.
+        self.recount_s: float | None = None
 
     @property
     def compiles(self) -> bool:

@@ -32,6 +32,7 @@ import inspect
 import os
 import shutil
 import tempfile
+import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -65,6 +66,25 @@ _MARKERS = (SCOPE_ENTER, SCOPE_EXIT, torch.ops.sk.scope_enter, torch.ops.sk.scop
 # call each (~10 us of call overhead apiece at these sizes). Outside scopes Inductor keeps its
 # Python wrapper and its BLAS calls for small GEMMs. Measured effect: BENCHMARKS.md.
 CPU_LAUNCH_UNIT = {"cpp_wrapper": True, "post_grad_fusion_options": {"decompose_mm_pass": {}}}
+
+# A large model's CPU kernels read the thread count when they run (`omp_get_max_threads`) instead
+# of having it compiled in. Why: the thread governor (executor/threads.py) moves a decode step to
+# fewer threads when a neighbour takes the cores, and with the count compiled in each new count
+# was a full compile again, 97-150 s at the 0.6B shape on the AVX2 kind, which the governor rightly
+# would not pay in a short call: under a late neighbour SK decoder then stayed on 2 threads at
+# 19.8x its idle step. Dynamo still traces the step again at a new count (it guards on the count),
+# but Inductor's cache, no longer keyed on it, hands back the kernels: 9.5-10.7 s there, and the
+# idle step was no slower (0.90x ge_graph, 1.02x SK decoder, 7 alternating rounds). Only where a
+# weight has DYNAMIC_THREADS_NUMEL elements or more: at the overhead-bound bench size (sub-ms steps,
+# a recompile of seconds) reading the count cost the SK decoder step 1.06x (9 rounds; BENCHMARKS.md,
+# "thirty-sixth pass").
+CPU_KERNELS = {"cpp.dynamic_threads": True}
+DYNAMIC_THREADS_NUMEL = 1 << 20  # as packed_linear.MIN_WEIGHT_NUMEL: every 0.6B projection, no bench-overhead weight
+
+
+def _reads_thread_count(inputs) -> bool:
+    """A CPU graph with these example inputs gets CPU_KERNELS (a weight of DYNAMIC_THREADS_NUMEL)."""
+    return any(isinstance(t, torch.Tensor) and t.numel() >= DYNAMIC_THREADS_NUMEL for t in inputs)
 
 
 class ScopeCheckError(RecipeError):
@@ -103,6 +123,7 @@ class ScopeStats:
 class CompileStats:
     graphs: int = 0
     scopes: dict[str, ScopeStats] = field(default_factory=dict)
+    dynamic_threads: bool = False  # some CPU graph's kernels read the thread count (CPU_KERNELS)
 
 
 # Collectives Inductor's C++ wrapper can call (it has C shims for these only); any other one
@@ -162,10 +183,16 @@ class _Segment(torch.nn.Module):
     """One partition of the split graph, compiled on first call with the real inputs."""
 
     def __init__(
-        self, gm: torch.fx.GraphModule, fused: bool, device: str, stats: ScopeStats | None, interpreted: bool = False
+        self,
+        gm: torch.fx.GraphModule,
+        fused: bool,
+        device: str,
+        stats: ScopeStats | None,
+        compile_stats: CompileStats,
+        interpreted: bool = False,
     ):
         super().__init__()
-        self.gm, self.fused, self.device, self.stats = gm, fused, device, stats
+        self.gm, self.fused, self.device, self.stats, self.compile_stats = gm, fused, device, stats, compile_stats
         # A segment holding a data-dependent op runs as the plain FX graph: Inductor cannot
         # compile it from concrete example inputs, and it is outside any launch unit anyway.
         self.fn: Callable | None = gm if interpreted else None
@@ -177,7 +204,11 @@ class _Segment(torch.nn.Module):
 
             # CPU launch unit = the C++ wrapper; CUDA launch unit = one CUDA graph (captured by us:
             # Inductor's own cudagraphs silently skip graphs that mutate inputs, like the KV cache).
-            patch = CPU_LAUNCH_UNIT if self.fused and self.device == "cpu" else {}
+            patch = {}
+            if self.device == "cpu":
+                dynamic = _reads_thread_count(args)
+                self.compile_stats.dynamic_threads |= dynamic
+                patch = {**(CPU_KERNELS if dynamic else {}), **(CPU_LAUNCH_UNIT if self.fused else {})}
             before_inductor(self.gm, self.device, launch_unit=self.fused)
             with inductor_config.patch(patch):
                 self.fn = compile_fx(self.gm, _fake_inputs(args))
@@ -226,10 +257,14 @@ class GraphCompiler:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         self.stats.graphs += 1
         if not self.superkernel:
+            from torch._inductor import config as inductor_config
             from torch._inductor.compile_fx import compile_fx
 
             before_inductor(gm, self.device)
-            return compile_fx(gm, example_inputs)
+            dynamic = self.device == "cpu" and _reads_thread_count(example_inputs)
+            self.stats.dynamic_threads |= dynamic
+            with inductor_config.patch(CPU_KERNELS if dynamic else {}):
+                return compile_fx(gm, example_inputs)
         return self._split(gm)
 
     def _split(self, gm: torch.fx.GraphModule):
@@ -294,7 +329,7 @@ class GraphCompiler:
         for name, sub in list(split.named_children()):
             index = int(name.rsplit("_", 1)[1])
             stats = fused.get(index)
-            setattr(split, name, _Segment(sub, stats is not None, self.device, stats, index in interpreted))
+            setattr(split, name, _Segment(sub, stats is not None, self.device, stats, self.stats, index in interpreted))
         return split
 
     def _scope_blocked(self, enter: torch.fx.Node) -> bool:
@@ -338,10 +373,13 @@ class InductorStep(CompiledStep):
     def _call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.calls:
             return self._run(input_ids, positions)
-        before = _fx_graph_cache_counts()
+        before, lowering = _fx_graph_cache_counts(), _lowering_s()
+        t0 = time.perf_counter()
         out = self._run(input_ids, positions)
         after = _fx_graph_cache_counts()
         self.cache_lookups = {k: after[k] - before[k] for k in after}
+        if self.compiler.stats.dynamic_threads:  # another count: traced again, lowered by Inductor's cache
+            self.recount_s = max(0.0, time.perf_counter() - t0 - (_lowering_s() - lowering))
         return out
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -395,6 +433,14 @@ def _fx_graph_cache_counts() -> dict[str, int]:
         "aot_misses": aot["autograd_cache_miss"],
         "aot_bypasses": aot["autograd_cache_bypass"],
     }
+
+
+def _lowering_s() -> float:
+    """Seconds this process's Inductor has spent lowering graphs its cache did not hold (codegen
+    and C++ builds: what a cache hit skips), from torch._dynamo's timers."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return sum(compilation_time_metrics.get("fx_codegen_and_compile", []))
 
 
 def _isolated_recompiles() -> dict:
