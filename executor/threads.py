@@ -201,7 +201,8 @@ class ThreadGovernor:
             return True
         if self.compiles and (self.key, self.running) not in self.compiled:
             # The first step of a compiled step at a thread count compiles it: Dynamo guards on the
-            # count, and Inductor emits kernels for it (a one-off, kept in the compile cache). Not a sample.
+            # count and traces the step again (Inductor emits kernels for it, or hands back its cached
+            # ones where they read the count; a one-off per count). Not a sample.
             self.compiled.add((self.key, self.running))
             if self.key in self.compile_ms:  # a new count's compile: what the next one will cost
                 self.recount_ms[self.key] = ms
@@ -236,10 +237,9 @@ class ThreadGovernor:
     def _worth(self, step: int, heavy: bool) -> bool:
         """Whether a try at the next lower count is worth what it costs: nothing when the step is
         compiled for it already (or eager: no compile time is ever recorded for it); otherwise a
-        compile, never worth it when the steps left in this call take less time in all than the
-        compile (fewer threads cannot save more than all of it), else worth it under heavy
-        waiting or once the waiting since the last change has added up to the step's first
-        compile time."""
+        compile (`_recount_cost`), never worth it when the steps left in this call take less time
+        in all than the compile (fewer threads cannot save more than all of it), else worth it
+        under heavy waiting or once the waiting since the last change has added up to it."""
         count = self.levels[self.level + 1]
         cost = self._recount_cost()
         if (self.key, count) in self.compiled:
