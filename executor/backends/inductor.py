@@ -54,6 +54,7 @@ from executor.backends.base import (
     keyed_cache_dir,
 )
 from executor.backends.graph_passes import before_inductor
+from executor.backends.packed_linear import MIN_WEIGHT_NUMEL
 from executor.errors import RecipeError
 from executor.scope import SCOPE_ENTER, SCOPE_EXIT, parse_options
 
@@ -79,7 +80,7 @@ CPU_LAUNCH_UNIT = {"cpp_wrapper": True, "post_grad_fusion_options": {"decompose_
 # a recompile of seconds) reading the count cost the SK decoder step 1.06x (9 rounds; BENCHMARKS.md,
 # "thirty-sixth pass").
 CPU_KERNELS = {"cpp.dynamic_threads": True}
-DYNAMIC_THREADS_NUMEL = 1 << 20  # as packed_linear.MIN_WEIGHT_NUMEL: every 0.6B projection, no bench-overhead weight
+DYNAMIC_THREADS_NUMEL = MIN_WEIGHT_NUMEL  # packed_linear's large weight: every 0.6B projection, no bench-overhead one
 
 
 def _reads_thread_count(inputs) -> bool:
