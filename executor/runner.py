@@ -312,9 +312,7 @@ class ModelRunner:
             out, step_ms, logits = [token], [], pre.logits
             pos = pre.lengths.view(b, 1).clone()
             step_threads, compile_steps = [], []
-            decoding = self.threads.decoding(
-                (self.step_key, b), max_new_tokens - 1, self.step.compiles, recount_ms=self._recount_ms
-            )
+            decoding = self.threads.decoding((self.step_key, b), max_new_tokens - 1, self.step.compiles)
             with decoding as threads:
                 for i in range(max_new_tokens - 1):
                     step_threads.append(threads.threads)
@@ -336,10 +334,6 @@ class ModelRunner:
         tokens = runtime.gather_rows(torch.cat(out, dim=1).tolist(), self.parallel)
         first, last = (runtime.gather_row_tensor(t, self.parallel) for t in (pre.logits, logits))
         return Generation(all_rows, tokens, pre.ms, step_ms, first, last, step_threads, compile_steps)
-
-    def _recount_ms(self) -> float | None:
-        """What compiling the decode step for another thread count costs, as its backend knows it."""
-        return None if self.step.recount_s is None else self.step.recount_s * 1e3
 
     def check_finite(self, logits: torch.Tensor, step: str, rerun: Callable[[numerics.RegionTracker], object]) -> None:
         """Stop at the first step whose (B, V) logits hold NaN or inf, naming the step and the

@@ -17,26 +17,25 @@ each try that lost. On an idle host the waiting share stays near zero (the main 
 0.000-0.002 per step), so nothing is tried and the cost is one read of a kept-open file per
 thread and step (about 1 us each).
 
-The counts tried halve from the process's intra-op thread count down to 1. Dynamo guards a compiled
-step on the thread count, so the first step at a new count traces the step again; its kernels read
-the count when they run (executor.backends.inductor.CPU_KERNELS), so Inductor's cache hands them
-back: ~10 s at the 0.6B shape on a slow 2-core VM, against 97-150 s for its first compile, once per
-process and count. That step is logged and is not a sample, and what it took is what the next new
-count is taken to cost (before one has happened, the backend's estimate: the first compile less
-Inductor's lowering, `CompiledStep.recount_s`). A try at fewer threads needs at least three recent
-steps whose threads waited 5% of the time or more and 1 ms per step on average, which an idle host
-does not show. A try at a count the step has not been compiled for also waits, unless the waiting is
-heavy (a quarter of the time over a full window of steps: a neighbour holding a core, which made
-0.6B steps 2.8-4.8x slower), until the waiting since the last change adds up to what that compile
-costs (rent until the rent would have paid for the purchase): 2.5 ms of waiting per 50 ms step (a
-bf16 batch sweep on a VM with short bursts of kernel work) was not worth a 56 s recompile (before
-kernels read the count), which that sweep paid three times before this rule. Nor is it made, however
-heavy the waiting, when the steps left in the generate call take less time in all than that compile:
-fewer threads cannot save more than all of them (`bash infer.sh`, 31 steps of ~1 ms on a host busy
-for a moment, once paid a 21.7 s recompile for 1 thread and then went back to 2). The window starts
-empty in each generate call, so calls shorter than it only ever try once the waiting has paid. The
-step that compiles is reported by `observe`, so that the runner leaves it out of the decode averages
-and the throughput, as it leaves out the warm-up's compile. Off with several ranks (every rank must
+The counts tried halve from the process's intra-op thread count down to 1. A try at fewer threads
+needs at least three recent steps whose threads waited 5% of the time or more and 1 ms per step on
+average, which an idle host does not show. What a try costs depends on the step. An eager step, and
+a large model's compiled step (its kernels read the count when they run and Dynamo does not guard
+it: executor.backends.inductor.CPU_KERNELS), run at a new count as they are. A small model's
+compiled step has the count compiled in and Dynamo guards on it, so its first step at a new count
+compiles it again (seconds; once per process and count). That step is logged and is not a sample,
+and a try at such a count also waits, unless the waiting is heavy (a quarter of the time over a full
+window of steps: a neighbour holding a core, which made 0.6B steps 2.8-4.8x slower), until the
+waiting since the last change adds up to what the step's first compile took (rent until the rent
+would have paid for the purchase): 2.5 ms of waiting per 50 ms step (a bf16 batch sweep on a VM
+with short bursts of kernel work) was not worth a 56 s recompile, which that sweep paid three times
+before this rule (before a large model's kernels read the count). Nor is it made, however heavy the
+waiting, when the steps left in the generate call take less time in all than that compile: fewer
+threads cannot save more than all of them (`bash infer.sh`, 31 steps of ~1 ms on a host busy for a
+moment, once paid a 21.7 s recompile for 1 thread and then went back to 2). The window starts empty
+in each generate call, so calls shorter than it only ever try once the waiting has paid. The step
+that compiles is reported by `observe`, so that the runner leaves it out of the decode averages and
+the throughput, as it leaves out the warm-up's compile. Off with several ranks (every rank must
 compute replicated values in the same order) and off the CPU (host threads there only launch
 kernels). Each decode step's thread count is returned with its time, and metrics.json says whether
 the governor was on, why not, and every change it made.
@@ -109,10 +108,7 @@ class ThreadGovernor:
         self.since, self.since_ms = 0, 0.0  # steps and decode time since the last try
         self.since_wait_ms = 0.0  # and the threads' waiting for a core in that time
         self.compiled: set = set()  # (step key, thread count) pairs that have run once
-        self.compile_ms: dict = {}  # step key -> its first step's time (the first compile)
-        # step key -> what a new count costs, measured at the last one, else the backend's estimate
-        # (`decoding`'s `recount_ms`), else taken to be the first compile
-        self.recount_ms: dict = {}
+        self.compile_ms: dict = {}  # step key -> its first step's time (the compile), the cost of a new count
         self.held: set = set()  # tries held back (key, count) or not made (key, count, steps), logged once
         self.running = self.full  # the count the governor last set
         self.clock: RunQueueClock | None = None
@@ -146,15 +142,8 @@ class ThreadGovernor:
         """The process's threads' total wait for a core so far (0 when off); a step's is a difference."""
         return self.clock.read_ms() if self.clock else 0.0
 
-    def _new_call(
-        self,
-        key: object,
-        steps: int | None = None,
-        compiles: bool = True,
-        recount_ms: Callable[[], float | None] | None = None,
-    ) -> None:
+    def _new_call(self, key: object, steps: int | None = None, compiles: bool = True) -> None:
         self.key, self.step, self.steps, self.compiles = key, 0, steps, compiles
-        self.estimate = recount_ms or (lambda: None)
         self.window: list[tuple[float, float]] = []  # (ms, wait ms) of recent steps at the chosen count
         self.trying: int | None = None  # the level being tried
         self.tried_ms: list[float] = []
@@ -165,21 +154,14 @@ class ThreadGovernor:
         self.set_threads(self.running)
 
     @contextlib.contextmanager
-    def decoding(
-        self,
-        key: object,
-        steps: int | None = None,
-        compiles: bool = True,
-        recount_ms: Callable[[], float | None] | None = None,
-    ) -> Iterator[ThreadGovernor]:
+    def decoding(self, key: object, steps: int | None = None, compiles: bool = True) -> Iterator[ThreadGovernor]:
         """One generate call's decode loop of `steps` steps (None: not known) for the step `key`,
-        at the count chosen so far; `compiles`: the step is compiled per thread count (graph
-        modes), not eager, whose first step at a new count is a step like the others and costs
-        nothing to try; `recount_ms`: asked, once the step has compiled, what compiling it for
-        another count would cost (None: as much as its first compile). The process's count is
-        restored on exit, whatever happens."""
+        at the count chosen so far; `compiles`: the step is compiled per thread count (`CompiledStep.
+        compiles`), not eager or a large model's compiled step, whose first step at a new count is a
+        step like the others and costs nothing to try. The process's count is restored on exit,
+        whatever happens."""
         before = torch.get_num_threads()
-        self._new_call(key, steps, compiles, recount_ms)
+        self._new_call(key, steps, compiles)
         try:
             if self.enabled:
                 self.clock = RunQueueClock()
@@ -201,11 +183,8 @@ class ThreadGovernor:
             return True
         if self.compiles and (self.key, self.running) not in self.compiled:
             # The first step of a compiled step at a thread count compiles it: Dynamo guards on the
-            # count and traces the step again (Inductor emits kernels for it, or hands back its cached
-            # ones where they read the count; a one-off per count). Not a sample.
+            # count, and Inductor emits kernels for it (a one-off, kept in the compile cache). Not a sample.
             self.compiled.add((self.key, self.running))
-            if self.key in self.compile_ms:  # a new count's compile: what the next one will cost
-                self.recount_ms[self.key] = ms
             self.compile_ms.setdefault(self.key, ms)
             if step > 0:
                 self.log(
@@ -235,14 +214,15 @@ class ThreadGovernor:
         return self.since >= steps and self.since_ms >= BUDGET * self.lost_ms[way]
 
     def _worth(self, step: int, heavy: bool) -> bool:
-        """Whether a try at the next lower count is worth what it costs: nothing when the step is
-        compiled for it already (or eager: no compile time is ever recorded for it); otherwise a
-        compile (`_recount_cost`), never worth it when the steps left in this call take less time
-        in all than the compile (fewer threads cannot save more than all of it), else worth it
-        under heavy waiting or once the waiting since the last change has added up to it."""
+        """Whether a try at the next lower count is worth what it costs: nothing when the step runs
+        at any count as it is (its first call may have compiled it) or is compiled for it already;
+        otherwise a compile, never worth it when the steps left in this call take less time in all
+        than the compile (fewer threads cannot save more than all of it), else worth it under heavy
+        waiting or once the waiting since the last change has added up to the step's first compile
+        time."""
         count = self.levels[self.level + 1]
-        cost = self._recount_cost()
-        if (self.key, count) in self.compiled:
+        cost = self.compile_ms.get(self.key, 0.0)
+        if not self.compiles or (self.key, count) in self.compiled:
             return True
         if self.steps is not None:
             left = self.steps - step - 1
@@ -265,13 +245,6 @@ class ThreadGovernor:
                 f"step again (~{cost / 1e3:.1f} s): held until the waiting adds up to that or reaches {HEAVY:.0%}"
             )
         return False
-
-    def _recount_cost(self) -> float:
-        """What compiling the step for a new count costs, in ms: the last such compile, else the
-        backend's estimate, else the first compile (nothing recorded: eager)."""
-        if self.key not in self.recount_ms and (estimate := self.estimate()) is not None:
-            self.recount_ms[self.key] = estimate
-        return self.recount_ms.get(self.key, self.compile_ms.get(self.key, 0.0))
 
     def _try(self, level: int) -> None:
         self.trying, self.tried_ms = level, []

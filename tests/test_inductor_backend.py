@@ -24,7 +24,7 @@ from executor.backends.graph_passes import (
     _store_shared_trig,
     before_inductor,
 )
-from executor.backends.inductor import compile_inductor
+from executor.backends.inductor import DYNAMIC_THREADS_NUMEL, compile_inductor
 from executor.ops import reference
 from executor.scope import superkernel_scope
 
@@ -102,6 +102,42 @@ def test_large_gemv_compiles_to_the_same_result(superkernel):
     if superkernel:
         scope = compiled.compiler.stats.scopes["big"]
         assert scope.segments == 1 and scope.launches == 1
+
+
+@pytest.mark.parametrize("superkernel", [False, True])
+@pytest.mark.parametrize("large", [False, True])
+def test_a_large_models_step_runs_at_a_new_thread_count_as_it_is(superkernel, large):
+    """A step holding a weight of DYNAMIC_THREADS_NUMEL elements (a large model's) has kernels that
+    read the thread count, and Dynamo does not guard it on the count: at a new count the same
+    compiled step runs (the thread governor's tries cost nothing). A small model's step is traced
+    again. The rest of Dynamo's global state is still checked, by the step itself."""
+    torch.manual_seed(0)
+    wide = torch.nn.Linear(256, DYNAMIC_THREADS_NUMEL // 256 if large else 256)
+    narrow = torch.nn.Linear(256, 256)
+
+    def step(x, _positions):
+        with superkernel_scope(superkernel, "wide", ""):
+            h = torch.relu(wide(x))
+        return narrow(h[..., :256] + 1.0)  # a segment of its own with SuperKernel, small weights only
+
+    x = torch.randn(1, 1, 256)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with torch.no_grad():
+            compiled = compile_inductor(step, superkernel, "cpu")
+            want = compiled(x, None)
+            assert compiled.compiler.stats.dynamic_threads == large and compiled.compiles != large
+            torch.set_num_threads(1)
+            got = compiled(x, None)
+        assert compiled.graphs == 1 + (not large)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, step(x, None), rtol=1e-4, atol=1e-4)
+        if large:
+            with pytest.raises(RuntimeError, match=r"another torch global state .*\(grad_mode changed\)"):
+                compiled(x, None)  # grad mode on: Dynamo would have traced it again
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("superkernel", [False, True])

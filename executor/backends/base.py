@@ -139,14 +139,11 @@ class CompiledStep:
         self._compiles = count_graphs is not None
         self.calls = self.graphs = self.recompiles = 0
         self.compile_s = 0.0
-        # What compiling the step again for another thread count costs, where the backend knows it
-        # to be less than the first compile (None: as much). The thread governor weighs a try at
-        # fewer threads against it.
-        self.recount_s: float | None = None
 
     @property
     def compiles(self) -> bool:
-        """The step is compiled (per thread count, too: the thread governor asks), not eager."""
+        """The step compiles again at a new thread count (the thread governor asks): a compiled step
+        Dynamo guards on the count; not eager."""
         return self._compiles
 
     def _call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

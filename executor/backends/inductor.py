@@ -32,7 +32,6 @@ import inspect
 import os
 import shutil
 import tempfile
-import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -69,16 +68,18 @@ _MARKERS = (SCOPE_ENTER, SCOPE_EXIT, torch.ops.sk.scope_enter, torch.ops.sk.scop
 CPU_LAUNCH_UNIT = {"cpp_wrapper": True, "post_grad_fusion_options": {"decompose_mm_pass": {}}}
 
 # A large model's CPU kernels read the thread count when they run (`omp_get_max_threads`) instead
-# of having it compiled in. Why: the thread governor (executor/threads.py) moves a decode step to
-# fewer threads when a neighbour takes the cores, and with the count compiled in each new count
-# was a full compile again, 97-150 s at the 0.6B shape on the AVX2 kind, which the governor rightly
-# would not pay in a short call: under a late neighbour SK decoder then stayed on 2 threads at
-# 19.8x its idle step. Dynamo still traces the step again at a new count (it guards on the count),
-# but Inductor's cache, no longer keyed on it, hands back the kernels: 9.5-10.7 s there, and the
-# idle step was no slower (0.90x ge_graph, 1.02x SK decoder, 7 alternating rounds). Only where a
-# weight has DYNAMIC_THREADS_NUMEL elements or more: at the overhead-bound bench size (sub-ms steps,
-# a recompile of seconds) reading the count cost the SK decoder step 1.06x (9 rounds; BENCHMARKS.md,
-# "thirty-sixth pass").
+# of having it compiled in, and Dynamo does not guard the step on the count. Why: the thread
+# governor (executor/threads.py) moves a decode step to fewer threads when a neighbour takes the
+# cores. With the count compiled in and guarded, each new count was a full compile again, 97-150 s
+# at the 0.6B shape on the AVX2 kind, which the governor rightly would not pay in a short call:
+# under a late neighbour SK decoder then stayed on 2 threads at 19.8x its idle step. Kernels that
+# read the count made it a retrace whose kernels came from Inductor's cache (9.5-10.7 s there) and
+# left the idle step as fast (0.90x ge_graph, 1.02x SK decoder, 7 alternating rounds); without the
+# guard a new count costs nothing. Dynamo's guard on the count is its global state guard (grad
+# mode, autocast, default dtype, ...), so the step checks the rest of that state itself
+# (InductorStep). Only where the step holds a weight of DYNAMIC_THREADS_NUMEL elements or more: at
+# the overhead-bound bench size (sub-ms steps) reading the count cost the SK decoder step 1.06x
+# (9 rounds; BENCHMARKS.md, "thirty-sixth pass").
 CPU_KERNELS = {"cpp.dynamic_threads": True}
 DYNAMIC_THREADS_NUMEL = MIN_WEIGHT_NUMEL  # packed_linear's large weight: every 0.6B projection, no bench-overhead one
 
@@ -181,7 +182,8 @@ def _fake_inputs(args: tuple) -> list:
 
 
 class _Segment(torch.nn.Module):
-    """One partition of the split graph, compiled on first call with the real inputs."""
+    """One partition of the split graph, compiled on first call with the real inputs;
+    `reads_threads`: its CPU kernels read the thread count (CPU_KERNELS), as the whole step's do."""
 
     def __init__(
         self,
@@ -189,11 +191,12 @@ class _Segment(torch.nn.Module):
         fused: bool,
         device: str,
         stats: ScopeStats | None,
-        compile_stats: CompileStats,
+        reads_threads: bool = False,
         interpreted: bool = False,
     ):
         super().__init__()
-        self.gm, self.fused, self.device, self.stats, self.compile_stats = gm, fused, device, stats, compile_stats
+        self.gm, self.fused, self.device, self.stats = gm, fused, device, stats
+        self.reads_threads = reads_threads
         # A segment holding a data-dependent op runs as the plain FX graph: Inductor cannot
         # compile it from concrete example inputs, and it is outside any launch unit anyway.
         self.fn: Callable | None = gm if interpreted else None
@@ -205,11 +208,7 @@ class _Segment(torch.nn.Module):
 
             # CPU launch unit = the C++ wrapper; CUDA launch unit = one CUDA graph (captured by us:
             # Inductor's own cudagraphs silently skip graphs that mutate inputs, like the KV cache).
-            patch = {}
-            if self.device == "cpu":
-                dynamic = _reads_thread_count(args)
-                self.compile_stats.dynamic_threads |= dynamic
-                patch = {**(CPU_KERNELS if dynamic else {}), **(CPU_LAUNCH_UNIT if self.fused else {})}
+            patch = {**(CPU_KERNELS if self.reads_threads else {}), **(CPU_LAUNCH_UNIT if self.fused else {})}
             before_inductor(self.gm, self.device, launch_unit=self.fused)
             with inductor_config.patch(patch):
                 self.fn = compile_fx(self.gm, _fake_inputs(args))
@@ -257,18 +256,30 @@ class GraphCompiler:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         self.stats.graphs += 1
+        # Decided for the whole step, before Dynamo builds its guards (guard_filter reads it), so
+        # that every segment reads the count: one compiled in would keep its threads.
+        dynamic = self.device == "cpu" and _reads_thread_count(example_inputs)
+        self.stats.dynamic_threads |= dynamic
         if not self.superkernel:
             from torch._inductor import config as inductor_config
             from torch._inductor.compile_fx import compile_fx
 
             before_inductor(gm, self.device)
-            dynamic = self.device == "cpu" and _reads_thread_count(example_inputs)
-            self.stats.dynamic_threads |= dynamic
             with inductor_config.patch(CPU_KERNELS if dynamic else {}):
                 return compile_fx(gm, example_inputs)
-        return self._split(gm)
+        return self._split(gm, dynamic)
 
-    def _split(self, gm: torch.fx.GraphModule):
+    def guard_filter(self, entries) -> list[bool]:
+        """Dynamo's guards to keep: none on nn modules (parameters are not guarded: torchair's
+        frozen_parameter, their addresses are fixed for the run; ~50 us of guard checks per step),
+        and not its global state guard where the kernels read the thread count (CPU_KERNELS), as
+        that guard holds the count. Called after this compiler has compiled the graph."""
+        keep = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
+        if not self.stats.dynamic_threads:
+            return keep
+        return [k and e.guard_type != "GLOBAL_STATE" for k, e in zip(keep, entries)]
+
+    def _split(self, gm: torch.fx.GraphModule, reads_threads: bool = False):
         partition: dict[torch.fx.Node, int] = {}
         interpreted: set[int] = set()
         fused: dict[int, ScopeStats | None] = {}
@@ -330,7 +341,8 @@ class GraphCompiler:
         for name, sub in list(split.named_children()):
             index = int(name.rsplit("_", 1)[1])
             stats = fused.get(index)
-            setattr(split, name, _Segment(sub, stats is not None, self.device, stats, self.stats, index in interpreted))
+            segment = _Segment(sub, stats is not None, self.device, stats, reads_threads, index in interpreted)
+            setattr(split, name, segment)
         return split
 
     def _scope_blocked(self, enter: torch.fx.Node) -> bool:
@@ -370,18 +382,38 @@ class InductorStep(CompiledStep):
         )
         self.scratch: ScratchDir | None = None  # the run's own compile directory, kept while the step lives
         self.cache_lookups: dict | None = None
+        self.traced_under: torch._C._dynamo.guards.GlobalStateGuard | None = None  # torch's global state then
+
+    @property
+    def compiles(self) -> bool:
+        """Once compiled with kernels that read the thread count, a new count runs the same step."""
+        return not (self.calls and self.compiler.stats.dynamic_threads)
 
     def _call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.calls:
+            if self.compiler.stats.dynamic_threads:
+                self._check_global_state()
             return self._run(input_ids, positions)
-        before, lowering = _fx_graph_cache_counts(), _lowering_s()
-        t0 = time.perf_counter()
+        self.traced_under = torch._C._dynamo.guards.GlobalStateGuard()
+        before = _fx_graph_cache_counts()
         out = self._run(input_ids, positions)
         after = _fx_graph_cache_counts()
         self.cache_lookups = {k: after[k] - before[k] for k in after}
-        if self.compiler.stats.dynamic_threads:  # another count: traced again, lowered by Inductor's cache
-            self.recount_s = max(0.0, time.perf_counter() - t0 - (_lowering_s() - lowering))
         return out
+
+    def _check_global_state(self) -> None:
+        """Dynamo's global state guard, less the thread count (GraphCompiler.guard_filter drops
+        the guard where the kernels read the count): the step was traced for that state, and
+        running it under another (grad mode, autocast, default dtype, ...) would be wrong
+        silently. ~0.05 us."""
+        if self.traced_under.check():
+            return
+        changed = sorted(set(self.traced_under.reason().split()) - {"num_threads"})
+        if changed:
+            raise RuntimeError(
+                f"the compiled decode step is called under another torch global state than it was traced under "
+                f"({', '.join(changed)} changed); call it as the runner does"
+            )
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         try:
@@ -436,14 +468,6 @@ def _fx_graph_cache_counts() -> dict[str, int]:
     }
 
 
-def _lowering_s() -> float:
-    """Seconds this process's Inductor has spent lowering graphs its cache did not hold (codegen
-    and C++ builds: what a cache hit skips), from torch._dynamo's timers."""
-    from torch._dynamo.utils import compilation_time_metrics
-
-    return sum(compilation_time_metrics.get("fx_codegen_and_compile", []))
-
-
 def _isolated_recompiles() -> dict:
     """`isolate_recompiles=True` where torch.compile has it (2.13, the pinned version). Older
     torch (2.11, the CUDA machines' image) lacks it: there all runners share one code object's
@@ -468,8 +492,7 @@ def compile_inductor(
     (executor.context does that for a run)."""
     # Every runner compiles the same code object (ModelRunner._decode_step): isolate each
     # compile's cache entries so runners in one process (tests, benchmarks) never share or
-    # exhaust a recompile budget. Parameters are not guarded (torchair's frozen_parameter:
-    # their addresses are fixed for the run), which saves ~50 us of guard checks per step.
+    # exhaust a recompile budget. Which guards are kept: GraphCompiler.guard_filter.
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 4096)
     compiler = GraphCompiler(superkernel, device)
     compiled = torch.compile(
@@ -477,7 +500,7 @@ def compile_inductor(
         backend=compiler,
         fullgraph=True,
         dynamic=False,
-        options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
+        options={"guard_filter_fn": compiler.guard_filter},
         **_isolated_recompiles(),
     )
     name = "inductor+superkernel" if superkernel else "inductor"
