@@ -14,10 +14,11 @@ threads while its threads wait for a core.
 
 Prints, per policy, governor and mode: median and p90 decode ms/step idle and under load, the
 loaded/idle ratio, how many steps ran on fewer threads, and SK decoder against ge_graph
-under load. The neighbour starts after the measured process (a "late neighbour"), as on a shared
-host where other work arrives mid-run. The project's default is the `gomp default` policy with
-the governor on for a process that starts on an idle host (executor/__init__.py picks `passive`
-when the host is busy at start; this benchmark sets the policy itself).
+under load (the median of the rounds' ratios: the modes take turns, --rounds calls each). The
+neighbour starts after the measured process (a "late neighbour"), as on a shared host where other
+work arrives mid-run. The project's default is the `gomp default` policy with the governor on for a
+process that starts on an idle host (executor/__init__.py picks `passive` when the host is busy at
+start; this benchmark sets the policy itself).
 """
 
 from __future__ import annotations
@@ -86,14 +87,21 @@ def child(args) -> int:
     for phase in ("idle", "loaded"):
         print(f"ready {phase}", flush=True)
         sys.stdin.readline()  # the parent starts (or not) the neighbour, then says go
-        for mode, runner in runners.items():
+        for runner in runners.values():
             runner.generate(prompt, args.steps + 1)  # warm (and the governor's first look at the host)
-            gen = runner.generate(prompt, args.steps + 1)
-            times = sorted(gen.decode_ms)
+        # The modes take turns, round after round: the host's speed (and the neighbour's) moves
+        # within a minute, and mode after mode would put that into the comparison of modes.
+        gens = {mode: [] for mode in runners}
+        for _ in range(args.rounds):
+            for mode, runner in runners.items():
+                gens[mode].append(runner.generate(prompt, args.steps + 1))
+        for mode, calls in gens.items():
+            times = sorted(ms for gen in calls for ms in gen.decode_ms)
             result[f"{mode}/{phase}"] = {
                 "median": statistics.median(times),
                 "p90": times[int(0.9 * (len(times) - 1))],
-                "fewer_threads": sum(n < result["threads"] for n in gen.decode_threads),
+                "fewer_threads": sum(n < result["threads"] for gen in calls for n in gen.decode_threads),
+                "round_medians": [statistics.median(gen.decode_ms) for gen in calls],
             }
     print("result " + json.dumps(result), flush=True)
     return 0
@@ -109,7 +117,7 @@ def measure(policy: dict, governor: str, args, ckpt: Path, cache: Path) -> dict:
     env["CANN_RECIPES_OMP_DEFAULTS"] = "0"  # the policy under test, not the project's default
     env["CANN_RECIPES_ADAPTIVE_THREADS"] = "1" if governor == "on" else "0"
     cmd = [sys.executable, __file__, "--child", "--size", args.size, "--modes", args.modes]
-    cmd += ["--steps", str(args.steps), "--ckpt", str(ckpt), "--cache", str(cache)]
+    cmd += ["--steps", str(args.steps), "--rounds", str(args.rounds), "--ckpt", str(ckpt), "--cache", str(cache)]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     neighbour = None
     try:
@@ -136,7 +144,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="bench-overhead", help="named size in configs/model_sizes.yaml")
     p.add_argument("--modes", default="eager,ge_graph,decoder", help="eager, ge_graph and/or SuperKernel plans")
-    p.add_argument("--steps", type=int, default=64, help="decode steps timed per mode and phase")
+    p.add_argument("--steps", type=int, default=64, help="decode steps per generate call")
+    p.add_argument("--rounds", type=int, default=3, help="timed calls per mode and phase, the modes taking turns")
     p.add_argument("--policies", default="gomp default,passive", help=f"comma list of: {', '.join(POLICIES)}")
     p.add_argument("--governor", default="off,on", help="the runner's thread governor: off, on or both")
     p.add_argument("--neighbour-threads", type=int, default=os.cpu_count(), help="the neighbour's torch threads")
@@ -144,6 +153,8 @@ def main(argv=None) -> int:
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
     p.add_argument("--cache", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.steps < 1 or args.rounds < 1:
+        p.error(f"--steps and --rounds: expected positive integers, got {args.steps} and {args.rounds}")
     if args.child:  # the measured process: only it imports the project (and torch)
         sys.path.insert(0, str(ROOT))
         from benchmarks.cli import guarded
@@ -156,7 +167,7 @@ def main(argv=None) -> int:
     if unknown := [x for x in governors if x not in ("off", "on")]:
         p.error(f"--governor: unknown {unknown}; known: off, on")
     modes = args.modes.split(",")
-    print(f"# load_bench: size {args.size}, modes {args.modes}, {args.steps} steps, neighbour: "
+    print(f"# load_bench: size {args.size}, modes {args.modes}, {args.rounds} rounds of {args.steps} steps, neighbour: "
           f"{args.neighbour_threads}-thread fp32 1024x1024 matmuls, {os.cpu_count()} cores", flush=True)  # fmt: skip
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -183,13 +194,19 @@ def main(argv=None) -> int:
             i, ld = r[f"{m}/idle"], r[f"{m}/loaded"]
             print(
                 f"| {name} | {gov} | {m} | {i['median']:.3f} | {i['p90']:.3f} | {ld['median']:.3f} | {ld['p90']:.3f} | "
-                f"{ld['median'] / i['median']:.1f}x | {i['fewer_threads']} / {ld['fewer_threads']} of {args.steps} |"
+                f"{ld['median'] / i['median']:.1f}x | {i['fewer_threads']} / {ld['fewer_threads']} of "
+                f"{args.steps * args.rounds} |"
             )
     if "ge_graph" in modes and "decoder" in modes:
         print()
         for name, gov, r in rows:
-            ratio = r["decoder/loaded"]["median"] / r["ge_graph/loaded"]["median"]
-            print(f"{name}, governor {gov}: under load SK decoder / ge_graph = {ratio:.2f} (< 1: SK faster)")
+            per_round = sorted(
+                d / g for d, g in zip(r["decoder/loaded"]["round_medians"], r["ge_graph/loaded"]["round_medians"])
+            )
+            print(
+                f"{name}, governor {gov}: under load SK decoder / ge_graph = {statistics.median(per_round):.2f} "
+                f"(< 1: SK faster; median of {len(per_round)} rounds, {per_round[0]:.2f}-{per_round[-1]:.2f})"
+            )
     return 0
 
 

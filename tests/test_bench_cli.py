@@ -10,7 +10,15 @@ import sys
 
 import pytest
 
-from benchmarks import attention_bench, decode_bench, gemm_bench, pointwise_bench, prefill_bench, step_profile
+from benchmarks import (
+    attention_bench,
+    decode_bench,
+    gemm_bench,
+    load_bench,
+    pointwise_bench,
+    prefill_bench,
+    step_profile,
+)
 from benchmarks.cli import guarded, int_list, name_list
 from tests.fresh_python import REPO
 
@@ -23,6 +31,7 @@ BAD = [
     (pointwise_bench, ["--tokens", "a"], "argument --tokens: expected a comma list of positive integers"),
     (prefill_bench, ["--lengths", "-1"], "argument --lengths: expected positive integers, got '-1'"),
     (step_profile, ["--modes", "eager,nope"], "--modes: unknown mode 'nope'"),
+    (load_bench, ["--rounds", "0"], "--steps and --rounds: expected positive integers, got 64 and 0"),
 ]
 
 
