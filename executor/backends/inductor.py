@@ -78,8 +78,9 @@ CPU_LAUNCH_UNIT = {"cpp_wrapper": True, "post_grad_fusion_options": {"decompose_
 # guard a new count costs nothing. Dynamo's guard on the count is its global state guard (grad
 # mode, autocast, default dtype, ...), so the step checks the rest of that state itself
 # (InductorStep). Only where the step holds a weight of DYNAMIC_THREADS_NUMEL elements or more: at
-# the overhead-bound bench size (sub-ms steps) reading the count cost the SK decoder step 1.06x
-# (9 rounds; BENCHMARKS.md, "thirty-sixth pass").
+# the overhead-bound bench size (sub-ms steps) reading the count made the idle ge_graph step 1.33x
+# and SK decoder's 1.075x slower (9 alternating rounds), as Inductor then opens a parallel region
+# in every kernel, even loops it keeps serial for a known count (BENCHMARKS.md, "thirty-seventh pass").
 CPU_KERNELS = {"cpp.dynamic_threads": True}
 DYNAMIC_THREADS_NUMEL = MIN_WEIGHT_NUMEL  # packed_linear's large weight: every 0.6B projection, no bench-overhead one
 
