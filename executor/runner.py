@@ -312,7 +312,8 @@ class ModelRunner:
             out, step_ms, logits = [token], [], pre.logits
             pos = pre.lengths.view(b, 1).clone()
             step_threads, compile_steps = [], []
-            decoding = self.threads.decoding((self.step_key, b), max_new_tokens - 1, self.step.compiles)
+            macs = b * sum(p.numel() for p in self.model.parameters())  # a tiny step runs on one thread
+            decoding = self.threads.decoding((self.step_key, b), max_new_tokens - 1, self.step.compiles, macs)
             with decoding as threads:
                 for i in range(max_new_tokens - 1):
                     step_threads.append(threads.threads)

@@ -39,7 +39,10 @@ the throughput, as it leaves out the warm-up's compile. Off with several ranks (
 compute replicated values in the same order) and off the CPU (host threads there only launch
 kernels). Each decode step's thread count is returned with its time, and metrics.json says whether
 the governor was on, why not, and every change it made.
-`CANN_RECIPES_ADAPTIVE_THREADS=0` turns it off.
+A step too small to share (TINY_MACS: rows x weights, a debug model's batch-1 step) runs on one
+thread from its first call, with nothing tried: there one thread was as fast idle, and the count is
+compiled into its kernels, so the governor could not move it under load without a compile.
+`CANN_RECIPES_ADAPTIVE_THREADS=0` turns all of this off.
 """
 
 from __future__ import annotations
@@ -73,6 +76,13 @@ FIRST_WAIT = {"down": 3, "up": 8}  # steps between tries in each direction, doub
 LAST_WAIT = 1024  # ... up to this
 BUSY_UP = 8  # while the waiting lasts, tries at more threads wait this many times longer
 BUDGET = 20  # and a try waits for at least 20x the time the last lost try cost: tries cost <= 5%
+# A decode step of at most this many multiply-adds (rows x the model's weights) runs on one thread,
+# whatever the host: it is launch overhead, not arithmetic, and a second thread only adds barriers.
+# bench-overhead (2.1M weights, count compiled in; BENCHMARKS.md, "thirty-seventh pass"), idle, 1
+# thread against 2 (7-9 alternating rounds): ge_graph 0.97 / 0.95 and SK decoder 0.83 / 0.83 at 1 /
+# 4 rows, but 1.43 / 1.35 at 16 rows (33.6M); next to a late neighbour its 2-thread ge_graph step
+# was 7.1x its idle time in one run of two, and a try at 1 thread would be a compile of ~20 s.
+TINY_MACS = 16_000_000
 
 
 @dataclass
@@ -109,7 +119,8 @@ class ThreadGovernor:
         self.since_wait_ms = 0.0  # and the threads' waiting for a core in that time
         self.compiled: set = set()  # (step key, thread count) pairs that have run once
         self.compile_ms: dict = {}  # step key -> its first step's time (the compile), the cost of a new count
-        self.held: set = set()  # tries held back (key, count) or not made (key, count, steps), logged once
+        # logged once: tries held back (key, count) or not made (key, count, steps), a tiny step (key, "pinned")
+        self.held: set = set()
         self.running = self.full  # the count the governor last set
         self.clock: RunQueueClock | None = None
         self._new_call(key=None)
@@ -144,6 +155,7 @@ class ThreadGovernor:
 
     def _new_call(self, key: object, steps: int | None = None, compiles: bool = True) -> None:
         self.key, self.step, self.steps, self.compiles = key, 0, steps, compiles
+        self.pinned = False  # this call runs on one thread, untouched (TINY_MACS)
         self.window: list[tuple[float, float]] = []  # (ms, wait ms) of recent steps at the chosen count
         self.trying: int | None = None  # the level being tried
         self.tried_ms: list[float] = []
@@ -154,16 +166,28 @@ class ThreadGovernor:
         self.set_threads(self.running)
 
     @contextlib.contextmanager
-    def decoding(self, key: object, steps: int | None = None, compiles: bool = True) -> Iterator[ThreadGovernor]:
+    def decoding(
+        self, key: object, steps: int | None = None, compiles: bool = True, macs: float | None = None
+    ) -> Iterator[ThreadGovernor]:
         """One generate call's decode loop of `steps` steps (None: not known) for the step `key`,
         at the count chosen so far; `compiles`: the step is compiled per thread count (`CompiledStep.
         compiles`), not eager or a large model's compiled step, whose first step at a new count is a
-        step like the others and costs nothing to try. The process's count is restored on exit,
+        step like the others and costs nothing to try; `macs`: the step's multiply-adds, if known
+        (at most TINY_MACS: one thread, nothing tried). The process's count is restored on exit,
         whatever happens."""
         before = torch.get_num_threads()
         self._new_call(key, steps, compiles)
+        self.pinned = self.enabled and macs is not None and macs <= TINY_MACS
         try:
-            if self.enabled:
+            if self.pinned:
+                if (key, "pinned") not in self.held:
+                    self.held.add((key, "pinned"))
+                    self.log(
+                        f"[run] decode on 1 intra-op thread: a step of {macs / 1e6:.1f}M multiply-adds is launch "
+                        "overhead, which a second thread does not share (executor/threads.py, TINY_MACS)"
+                    )
+                self.set_threads(1)
+            elif self.enabled:
                 self.clock = RunQueueClock()
                 self._set(self.level)
             yield self
@@ -179,7 +203,7 @@ class ThreadGovernor:
         Returns False when that step compiled the step for a thread count (not a sample of the
         step's time), True otherwise."""
         step, self.step = self.step, self.step + 1
-        if not self.enabled:
+        if not self.enabled or self.pinned:
             return True
         if self.compiles and (self.key, self.running) not in self.compiled:
             # The first step of a compiled step at a thread count compiles it: Dynamo guards on the
@@ -271,11 +295,13 @@ class ThreadGovernor:
         self.trying, self.window, self.since, self.since_ms, self.since_wait_ms = None, [], 0, 0.0, 0.0
 
     def to_metrics(self, step_threads: list[int]) -> dict:
-        """For metrics.json: on/off and why, the steps run at each count, every change so far."""
+        """For metrics.json: on/off and why, whether the last call ran on one thread untouched
+        (TINY_MACS), the steps run at each count, every change so far."""
         counts = {str(n): step_threads.count(n) for n in sorted(set(step_threads), reverse=True)}
         return {
             "enabled": self.enabled,
             "reason": self.reason,
+            "one_thread_tiny_step": self.pinned,
             "steps_per_thread_count": counts,
             "changes": [vars(c) for c in self.changes],
         }

@@ -319,12 +319,14 @@ def test_from_logs_upstream_format(tmp_path, user_config, capsys):
 
 
 def test_fewer_threads_counts_the_steps_below_the_run_thread_count():
-    def metrics(enabled: bool, counts: dict) -> dict:
-        return {"threads": 2, "thread_governor": {"enabled": enabled, "steps_per_thread_count": counts}}
+    def metrics(enabled: bool, counts: dict, tiny: bool = False) -> dict:
+        gov = {"enabled": enabled, "one_thread_tiny_step": tiny, "steps_per_thread_count": counts}
+        return {"threads": 2, "thread_governor": gov}
 
     assert measure.fewer_threads(metrics(True, {"2": 40, "1": 8})) == 8
     assert measure.fewer_threads(metrics(True, {"2": 48})) == 0
     assert measure.fewer_threads(metrics(False, {"2": 48})) is None  # governor off: nothing to say
+    assert measure.fewer_threads(metrics(True, {"1": 48}, tiny=True)) is None  # one thread by design, not a busy host
     assert measure.fewer_threads({"threads": 2}) is None  # metrics.json of an older run
 
 

@@ -128,6 +128,26 @@ def test_a_step_with_nothing_to_compile_at_a_new_count_tries_it_at_once(governor
     assert [(c.was, c.threads) for c in governor.changes] == [(2, 1)] and ran[-1] == 1
 
 
+def test_a_tiny_step_runs_on_one_thread_and_nothing_is_tried(governor):
+    # a debug model's batch-1 step: one thread from its first step, however busy the host, and the
+    # process's count is back afterwards; a step one multiply-add larger is governed as before
+    busy = [(4.0, 3.0)] * 200
+    ran, governor.samples = [], []
+    for _ in range(2):
+        with governor.decoding(key="step", steps=len(busy), macs=th.TINY_MACS) as gov:
+            for ms, wait in busy:
+                ran.append(gov.threads)
+                governor.samples.append(gov.observe(ms, wait))
+        assert torch.get_num_threads() == 2
+    assert ran == [1] * 400 and all(governor.samples) and governor.changes == []
+    assert len(governor.lines) == 1 and "a step of 16.0M multiply-adds" in governor.lines[0]
+    assert governor.to_metrics(ran)["one_thread_tiny_step"] is True
+    with governor.decoding(key="step", macs=th.TINY_MACS + 1):
+        assert governor.threads == 2 and not governor.pinned
+    assert feed(governor, busy)[-1] == 1 and governor.changes  # the try the tiny step never had
+    assert governor.to_metrics(ran)["one_thread_tiny_step"] is False
+
+
 def test_a_lost_try_goes_back_and_waits_longer_before_the_next(governor):
     slow_alone = [(8.0, 0.5)] * 3  # one thread is slower: keep two
     ran = feed(governor, [(6.0, 0.0), *[(5.0, 2.5)] * 3, (900.0, 0.0), *slow_alone])
@@ -215,6 +235,7 @@ def test_steps_on_fewer_threads_give_the_same_tokens(make_qwen_runner, qwen3_ckp
     read the count and which Dynamo does not guard on it, the same compiled step runs."""
     monkeypatch.setattr(th, "CONTENDED", float("inf"))  # no tries of its own: the counts are the test's
     monkeypatch.setattr(th, "FIRST_WAIT", {"down": 10**6, "up": 10**6})
+    monkeypatch.setattr(th, "TINY_MACS", 0)  # the test model's steps are tiny: let them run on 2 threads
     if large:  # the test model's weights are small: let it be treated as a large model's
         monkeypatch.setattr(inductor_backend, "DYNAMIC_THREADS_NUMEL", 0)
     before = torch.get_num_threads()
@@ -243,6 +264,7 @@ def test_steps_on_fewer_threads_give_the_same_tokens(make_qwen_runner, qwen3_ckp
         assert metrics["thread_governor"] == {
             "enabled": True,
             "reason": "test",
+            "one_thread_tiny_step": False,
             "steps_per_thread_count": {"1": 5},
             "changes": [],
         }
@@ -261,5 +283,27 @@ def test_steps_on_fewer_threads_give_the_same_tokens(make_qwen_runner, qwen3_ckp
         assert "leave out decode step(s) 0: they compiled the step for a new thread count (20.0 s)" in (
             runner.stream.getvalue()
         )
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_tiny_models_run_decodes_on_one_thread(make_qwen_runner, qwen3_ckpt):
+    """The test model's batch-2 step is tiny (TINY_MACS): a real ge_graph run decodes it on one
+    thread from its first step (compiled there once), says so, and is not read as a busy host."""
+    from tools.measure import fewer_threads
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runner = make_qwen_runner(qwen3_ckpt, "model_config.exe_mode=ge_graph", max_new_tokens=6)
+        runner.threads = ThreadGovernor(2, True, "test", log=runner.log)
+        runner.stream = io.StringIO()
+        gen = runner.generate([[5, 6, 7, 8], [9, 10, 11, 12]], 6)
+        assert gen.decode_threads == [1] * 5 and gen.compile_steps == [] and runner.step.graphs == 1
+        assert torch.get_num_threads() == 2
+        assert "[run] decode on 1 intra-op thread: a step of" in runner.stream.getvalue()
+        metrics = runner._metrics(gen, [""] * 2, None, 0.0)
+        assert metrics["thread_governor"]["one_thread_tiny_step"] is True
+        assert fewer_threads(metrics) is None
     finally:
         torch.set_num_threads(before)

@@ -313,9 +313,9 @@ def fmt(x, spec: str = ".3f", suffix: str = "", missing: str = "n/a") -> str:
 def fewer_threads(metrics: dict) -> int | None:
     """Decode steps of a run that ran on fewer intra-op threads than it started with (the host
     was busy; executor/threads.py); None when its thread governor was off (not a CPU run, several
-    ranks, one thread) or the metrics predate it."""
+    ranks, one thread), ran a tiny step on one thread untouched, or the metrics predate it."""
     gov = metrics.get("thread_governor") or {}
-    if not gov.get("enabled"):
+    if not gov.get("enabled") or gov.get("one_thread_tiny_step"):
         return None
     return sum(n for threads, n in gov["steps_per_thread_count"].items() if int(threads) < metrics["threads"])
 
