@@ -301,7 +301,8 @@ def our_decode(
     rates = tuple(zip(before, probe())) if probe else ((), ())
     calls = list(runner.parallel.log.calls)  # the collectives of one decode step
     name = f"ours {exe_mode}" + (f" + SK {plan}" if plan else "")
-    if fewer := sum(n < runner.threads.full for n in gen.decode_threads):  # the host was busy: say so
+    # the host was busy: say so (not where a tiny step runs on one thread by design)
+    if not runner.threads.pinned and (fewer := sum(n < runner.threads.full for n in gen.decode_threads)):
         print(f"  note: {name}: {fewer} of {steps} timed steps ran on fewer intra-op threads (executor/threads.py)")
     del runner
     torch._dynamo.reset()

@@ -101,6 +101,7 @@ def child(args) -> int:
                 "median": statistics.median(times),
                 "p90": times[int(0.9 * (len(times) - 1))],
                 "fewer_threads": sum(n < result["threads"] for gen in calls for n in gen.decode_threads),
+                "tiny": runners[mode].threads.pinned,  # one thread by design (executor/threads.py, TINY_MACS)
                 "round_medians": [statistics.median(gen.decode_ms) for gen in calls],
             }
     print("result " + json.dumps(result), flush=True)
@@ -138,6 +139,12 @@ def measure(policy: dict, governor: str, args, ckpt: Path, cache: Path) -> dict:
             neighbour.kill()
             neighbour.wait()
         proc.wait()
+
+
+def _fewer(idle: dict, loaded: dict, steps: int) -> str:
+    if idle.get("tiny") and loaded.get("tiny"):
+        return "one thread throughout (a tiny step)"
+    return f"{idle['fewer_threads']} / {loaded['fewer_threads']} of {steps}"
 
 
 def main(argv=None) -> int:
@@ -194,8 +201,7 @@ def main(argv=None) -> int:
             i, ld = r[f"{m}/idle"], r[f"{m}/loaded"]
             print(
                 f"| {name} | {gov} | {m} | {i['median']:.3f} | {i['p90']:.3f} | {ld['median']:.3f} | {ld['p90']:.3f} | "
-                f"{ld['median'] / i['median']:.1f}x | {i['fewer_threads']} / {ld['fewer_threads']} of "
-                f"{args.steps * args.rounds} |"
+                f"{ld['median'] / i['median']:.1f}x | {_fewer(i, ld, args.steps * args.rounds)} |"
             )
     if "ge_graph" in modes and "decoder" in modes:
         print()
