@@ -80,13 +80,13 @@ def test_end_to_end_both_sides_run(tmp_path, user_config, capsys, monkeypatch):
         "prefill and decode are separate": "PASS",
         "model declares regions and the plan marks at least one": "PASS",
         "SuperKernel really ran in the optimized runs": "PASS",
-        "every decode step ran on all intra-op threads": checks["every decode step ran on all intra-op threads"],
     }
-    # that item says what the runs' own metrics say (PASS on an idle host)
+    # no item on the intra-op threads: the test model's step is tiny, so every run decoded on one
+    # thread by design where the governor is on (executor/threads.py, TINY_MACS), which says
+    # nothing about the host
     runs = [json.loads((out / "runs" / f"{side}.{k}" / "metrics.json").read_text()) for side in SIDES for k in (1, 2)]
-    fewer = [measure.fewer_threads(m) for m in runs]
-    assert checks["every decode step ran on all intra-op threads"] == ("WARN" if any(fewer) else "PASS")
-    assert [summary[side]["steps_on_fewer_threads"] for side in SIDES] == [sum(fewer[:2]), sum(fewer[2:])]
+    assert all(m["thread_governor"]["one_thread_tiny_step"] == m["thread_governor"]["enabled"] for m in runs)
+    assert [summary[side]["steps_on_fewer_threads"] for side in SIDES] == [None, None]
     # the copies differ only in the SuperKernel keys and keep the user's comments
     base, opt = (yaml.safe_load((out / f"{s}.yaml").read_text()) for s in ("baseline", "optimized"))
     assert (base["model_config"]["enable_superkernel"], base["model_config"]["superkernel"]) == (
