@@ -80,7 +80,7 @@ BUDGET = 20  # and a try waits for at least 20x the time the last lost try cost:
 # whatever the host: it is launch overhead, not arithmetic, and a second thread only adds barriers.
 # bench-overhead (2.1M weights, count compiled in; BENCHMARKS.md, "thirty-seventh pass"), idle, 1
 # thread against 2 (alternating rounds): ge_graph 0.95-1.13 and SK decoder 0.83-1.11 at 1-4 rows
-# over five A/Bs, but 1.43 and 1.35 at 16 rows (33.6M); next to a late neighbour its 2-thread
+# over four A/Bs, but 1.43 and 1.35 at 16 rows (33.6M); next to a late neighbour its 2-thread
 # ge_graph step was 7.1x its idle time in one run of two (1.1x on one thread), and a try at 1
 # thread would have been a compile of ~20 s.
 TINY_MACS = 16_000_000
