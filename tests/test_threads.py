@@ -146,6 +146,9 @@ def test_a_tiny_step_runs_on_one_thread_and_nothing_is_tried(governor):
         assert governor.threads == 2 and not governor.pinned
     assert feed(governor, busy)[-1] == 1 and governor.changes  # the try the tiny step never had
     assert governor.to_metrics(ran)["one_thread_tiny_step"] is False
+    off = ThreadGovernor(2, False, f"off: {th.ENV}=0")  # the user's count, tiny step or not
+    with off.decoding(key="step", macs=1):
+        assert off.threads == 2 and not off.pinned
 
 
 def test_a_lost_try_goes_back_and_waits_longer_before_the_next(governor):
