@@ -30,10 +30,7 @@ def governor():
 
 
 def feed(
-    gov: ThreadGovernor,
-    steps: list[tuple[float, float]],
-    known: bool = False,
-    compiles: bool = True,
+    gov: ThreadGovernor, steps: list[tuple[float, float]], known: bool = False, compiles: bool = True
 ) -> list[int]:
     """Run `steps` (ms, wait ms) through one decode call (`known`: the governor is told how many
     steps it has; `compiles`: a step compiled per thread count, not eager's or a large model's); the
