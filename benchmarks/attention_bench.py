@@ -36,14 +36,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cli import guarded, int_list, name_list  # noqa: E402
+from benchmarks.cli import guarded, int_list, name_list, paired  # noqa: E402
 from executor import custom_ops  # noqa: E402
 from executor.arch import named_size  # noqa: E402
 from executor.config import load_config  # noqa: E402
 from executor.ops import reference  # noqa: E402
 from executor.platform import detect  # noqa: E402
 from executor.registry import default_config, runner_class  # noqa: E402
-from executor.stats import median  # noqa: E402
 from executor.tokenizer import BUILTIN_TOKENIZER  # noqa: E402
 
 OP_SHAPE = {"hq": 32, "hkv": 8, "d": 128}  # one Qwen3-8B attention layer
@@ -79,12 +78,6 @@ def interleaved_ms(fns: dict, rounds: int, budget_s: float = 0.05) -> dict:
                 fn()
             per_round[key].append((time.perf_counter() - t0) / reps[key] * 1e3)
     return per_round
-
-
-def paired(base: list[float], other: list[float]) -> str:
-    """base / other per round: "median (min-max)"."""
-    ratios = sorted(b / o for b, o in zip(base, other, strict=True))
-    return f"{median(ratios):.3f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
 
 
 def op_table(lengths: list[int], position: int, dtype: torch.dtype, rounds: int) -> list[tuple]:

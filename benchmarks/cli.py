@@ -1,4 +1,4 @@
-"""Argument types shared by the benchmarks' command lines.
+"""Argument types shared by the benchmarks' command lines, and the paired ratio of their tables.
 
 Why: a comma list parsed after argparse (`[int(x) for x in text.split(",")]`) turned a typo such
 as `--batch 1,x` into a ValueError traceback. As an argparse type, a bad value is argparse's own
@@ -9,6 +9,7 @@ load bench's parent process parses with it and must stay free of torch and execu
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from collections.abc import Callable
 
@@ -39,3 +40,11 @@ def guarded(main: Callable[[], int]) -> int:
     except RecipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def paired(base: list[float], other: list[float]) -> str:
+    """base / other within each round: "median (min-max)". Why within a round: the VM's speed
+    drifts by 1.5x or more within minutes, and a round's two timings share its speed; a ratio of
+    the two overall medians would carry the drift (BENCHMARKS.md, "twenty-third pass")."""
+    ratios = sorted(b / o for b, o in zip(base, other, strict=True))
+    return f"{statistics.median(ratios):.3f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"

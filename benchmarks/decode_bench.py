@@ -10,10 +10,19 @@ our eager run) and the roofline terms it used:
 
   roofline = max(bytes read per step / measured read bandwidth, FLOPs per step / measured matmul rate)
 
-The read bandwidth is measured again right before and right after each mode's timed steps, and
-that mode's roofline uses the mean of the two (column "read GB/s"): the reference VM's bandwidth
-moved by 1.5x within minutes, so one reading at the start made later modes look better or worse
-than they were. A mode whose two readings differ by more than 15% is flagged: the machine changed
+Our modes take turns: all are built first, then timed over --rounds calls each, mode after mode
+within every round, and the ratio to ge_graph is the median of the per-round ratios (with their
+range). Timed once each in sequence, five readings of SK decoder / ge_graph at bench-overhead ran
+0.89-1.44 on the reference VM, whose speed moves by 1.5x within a minute (BENCHMARKS.md,
+"thirty-seventh pass"). Holding every mode at once costs memory, so by default a size whose modes
+would not fit runs one round, each mode built, timed and freed in turn (the header says which).
+The transformers peers run after ours, one call each.
+
+The read bandwidth is measured again right before and right after each mode's timed steps (with
+rounds: before the first round and after each), and that mode's roofline uses their mean (column
+"read GB/s"): the reference VM's bandwidth moved by 1.5x within minutes, so one reading at the
+start made later modes look better or worse than they were. A mode whose readings differ by more
+than 15% is flagged: the machine changed
 speed while it ran, so its ratio is no verdict. Each reading is the median of 7 full reductions,
 as the step time is the median of the steps: the VM's bandwidth comes in bursts of a few
 seconds, and a best-of-7 reading caught one (18.5 ms where its median was 34.3, for the 0.6B
@@ -35,7 +44,7 @@ transformers peers, and the table adds the collectives of one decode step and th
 it: each collective the step issues is timed alone (same op, group and size, both ranks
 ready, median of 200), summed, and divided by the step time.
 
-  python benchmarks/decode_bench.py --size bench-overhead
+  python benchmarks/decode_bench.py --size bench-overhead --rounds 9
   python benchmarks/decode_bench.py --size bench-overhead --world-size 2 --plans decoder
   python benchmarks/decode_bench.py --size qwen3-0.6b --plans decoder --dtype bfloat16 --batch 1,4,16,64 --plot b.png
   python benchmarks/decode_bench.py --size qwen3-0.6b --plans decoder --prompt-len 2048 --max-len 16384
@@ -59,7 +68,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cli import guarded, int_list  # noqa: E402
+from benchmarks.cli import guarded, int_list, paired  # noqa: E402
 from executor.arch import ModelArch, arch_from_dict, named_size  # noqa: E402
 from executor.backends import eager_linear, packed_linear  # noqa: E402
 from executor.config import load_config  # noqa: E402
@@ -78,9 +87,10 @@ class Row:
     compile_s: float | None
     tokens: list[list[int]]  # greedy tokens per row
     calls: list = field(default_factory=list)  # with several ranks: the collectives of one decode step
-    read_gbs: tuple[float, ...] = ()  # read bandwidth right before and right after the timed steps
-    tflops: tuple[float, ...] = ()  # matmul rate right before and right after the timed steps
+    read_gbs: tuple[float, ...] = ()  # read bandwidth right before and right after the timed steps (or rounds)
+    tflops: tuple[float, ...] = ()  # matmul rate right before and right after the timed steps (or rounds)
     roof_ms: float = 0.0  # this mode's roofline (set when its batch's table is made)
+    round_ms: tuple[float, ...] = ()  # with --rounds > 1: the median step of each round (the modes took turns)
 
     def roofline_ms(self, nbytes: float, flops: float, read_gbs: float, tflops: float) -> float:
         """This mode's roofline: against the mean of its own readings of each rate, else the defaults."""
@@ -95,12 +105,12 @@ class Row:
 
 
 def moved(readings: tuple[float, ...]) -> bool:
-    """A before/after pair of readings more than 15% apart."""
-    return len(readings) == 2 and max(readings) > 1.15 * min(readings)
+    """Readings (before/after a mode, or between rounds) of which two are more than 15% apart."""
+    return len(readings) >= 2 and max(readings) > 1.15 * min(readings)
 
 
 def readings(values: tuple[float, ...], digits: int) -> str:
-    """A before/after cell, flagged when the two differ by more than 15%."""
+    """A cell of readings in the order taken, flagged when two differ by more than 15%."""
     return "/".join(f"{v:.{digits}f}" for v in values) + (" UNSTEADY" if moved(values) else "")
 
 
@@ -270,10 +280,19 @@ LAYOUTS = {  # --layout -> parallel_config for N ranks
 }
 
 
-def our_decode(
+@dataclass
+class Built:
+    """One of our modes, compiled and warm, ready for timed calls."""
+
+    name: str
+    runner: object
+    compile_s: float | None  # the first call (Dynamo + Inductor, cold); None for eager
+
+
+def build_ours(
     recipe: str, path: Path, exe_mode: str, plan: str | None, prompts: list[list[int]], steps: int, dtype: str,
-    max_len: int, parallel: list[str] = (), platform: Platform | None = None, probe: Probe | None = None,
-) -> Row:  # fmt: skip
+    max_len: int, parallel: list[str] = (), platform: Platform | None = None,
+) -> Built:  # fmt: skip
     overrides = [
         f"model_config.model_path={path}",
         "model_config.with_ckpt=true",
@@ -296,18 +315,67 @@ def our_decode(
     runner.generate(prompts, 2)  # warm-up + compile
     compile_s = time.perf_counter() - t0
     runner.generate(prompts, steps + 1)  # warm caches
-    before = probe() if probe else None
-    gen = runner.generate(prompts, steps + 1)
-    rates = tuple(zip(before, probe())) if probe else ((), ())
-    calls = list(runner.parallel.log.calls)  # the collectives of one decode step
     name = f"ours {exe_mode}" + (f" + SK {plan}" if plan else "")
+    return Built(name, runner, None if exe_mode == "eager" else compile_s)
+
+
+def timed(built: Built, prompts: list[list[int]], steps: int):
+    """One timed generate call (its Generation), noting steps the thread governor ran on fewer threads."""
+    gen = built.runner.generate(prompts, steps + 1)
+    threads = built.runner.threads
     # the host was busy: say so (not where a tiny step runs on one thread by design)
-    if not runner.threads.pinned and (fewer := sum(n < runner.threads.full for n in gen.decode_threads)):
-        print(f"  note: {name}: {fewer} of {steps} timed steps ran on fewer intra-op threads (executor/threads.py)")
-    del runner
+    if not threads.pinned and (fewer := sum(n < threads.full for n in gen.decode_threads)):
+        said = f"{fewer} of {steps} timed steps ran on fewer intra-op threads (executor/threads.py)"
+        print(f"  note: {built.name}: {said}")
+    return gen
+
+
+def our_decode(
+    recipe: str, path: Path, exe_mode: str, plan: str | None, prompts: list[list[int]], steps: int, dtype: str,
+    max_len: int, parallel: list[str] = (), platform: Platform | None = None, probe: Probe | None = None,
+) -> Row:  # fmt: skip
+    """One mode alone: build it, time one call between two readings of the rates, free it."""
+    built = build_ours(recipe, path, exe_mode, plan, prompts, steps, dtype, max_len, parallel, platform)
+    before = probe() if probe else None
+    gen = timed(built, prompts, steps)
+    rates = tuple(zip(before, probe())) if probe else ((), ())
+    calls = list(built.runner.parallel.log.calls)  # the collectives of one decode step
+    row = Row(built.name, statistics.median(gen.decode_ms), built.compile_s, gen.token_ids, calls, *rates)
+    del built
     torch._dynamo.reset()
-    compile_s = None if exe_mode == "eager" else compile_s
-    return Row(name, statistics.median(gen.decode_ms), compile_s, gen.token_ids, calls, *rates)
+    return row
+
+
+def our_rounds(
+    recipe: str, path: Path, specs: list[tuple[str, str | None]], prompts: list[list[int]], steps: int, dtype: str,
+    max_len: int, rounds: int, platform: Platform, probe: Probe,
+) -> list[Row]:  # fmt: skip
+    """Every mode of `specs` built first, then timed in turns: `rounds` rounds of one call per mode,
+    the rates read before the first round and after each (why turns: the module docstring). A row's
+    step time is the median over all its rounds' steps; its ratio to ge_graph is taken per round
+    (vs_graph)."""
+    built = []
+    for exe_mode, plan in specs:
+        built.append(build_ours(recipe, path, exe_mode, plan, prompts, steps, dtype, max_len, platform=platform))
+        print(f"  built {built[-1].name}", flush=True)
+    gens = {b.name: [] for b in built}
+    rates = [probe()]
+    for _ in range(rounds):
+        for b in built:
+            gens[b.name].append(timed(b, prompts, steps))
+        rates.append(probe())
+    read_gbs, tflops = tuple(r[0] for r in rates), tuple(r[1] for r in rates)
+    rows = []
+    for b in built:
+        runs = gens[b.name]
+        ms = statistics.median([t for gen in runs for t in gen.decode_ms])
+        # greedy tokens: a round whose tokens depart from the first round's is the one shown (and checked)
+        tokens = next((g.token_ids for g in runs if g.token_ids != runs[0].token_ids), runs[0].token_ids)
+        round_ms = tuple(statistics.median(g.decode_ms) for g in runs)
+        rows.append(Row(b.name, ms, b.compile_s, tokens, [], read_gbs, tflops, round_ms=round_ms))
+    built.clear()
+    torch._dynamo.reset()
+    return rows
 
 
 def collective_ms(calls: list[tuple[str, str, int]], iters: int = 200) -> float:
@@ -348,7 +416,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen", help="recipe under models/ (qwen, qwen3_moe)")
     p.add_argument("--size", default="bench-overhead", help="named size in configs/model_sizes.yaml")
-    p.add_argument("--steps", type=int, default=64, help="decode steps timed per mode (>= 50 recommended)")
+    p.add_argument("--steps", type=int, default=64, help="decode steps per timed call (>= 50 recommended)")
+    p.add_argument(
+        "--rounds", type=int, help="timed calls per mode, the modes taking turns (all held in memory at once); "
+        "default 3 where they fit in memory, else 1: each mode built, timed once and freed in turn"
+    )  # fmt: skip
     p.add_argument("--plans", default="all", help="comma list of SuperKernel plans, 'all' or 'none'")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="every side's dtype (default float32)")
     p.add_argument("--batch", type=int_list, default="1", help="batch size or a comma list (a table each): 1,4,16")
@@ -371,6 +443,8 @@ def main(argv=None) -> int:
     max_len = args.max_len or args.prompt_len + args.steps + 1
     if args.steps < 2 or max_len < args.prompt_len + args.steps + 1:
         p.error("--steps >= 2 and --max-len >= --prompt-len + --steps + 1")
+    if args.rounds is not None and args.rounds < 1:
+        p.error(f"--rounds: expected a positive integer, got {args.rounds}")
     if args.device != "cpu" and args.world_size > 1:
         p.error("--device cuda measures one device: use --world-size 1")
     if args.threads:
@@ -385,10 +459,15 @@ def main(argv=None) -> int:
     platform = detect(args.device)
     if args.world_size > 1:
         return bench_ranks(args, list(sys.argv[1:] if argv is None else argv), cfg, arch, platform, max_len)
+    plans = _plans(args, arch)
+    specs = [("eager", None), ("ge_graph", None)] + [("ge_graph", pl) for pl in plans]
+    rounds, why = choose_rounds(args.rounds, arch, dtype_bytes, len(specs), platform)
+    if rounds is None:
+        p.error(why)
     print(
         f"# decode_bench: recipe {args.model}, size {args.size} ({arch.num_layers} layers), {args.steps} steps, "
         f"batch {','.join(map(str, batches))}, {args.dtype}, prompt {args.prompt_len} tokens, max_len {max_len}, "
-        f"{platform.describe()}, torch {torch.__version__}, {torch.get_num_threads()} threads",
+        f"{platform.describe()}, torch {torch.__version__}, {torch.get_num_threads()} threads\n# {why}",
         flush=True,
     )
     read_bw, best_bw, copy_bw = memory_bandwidth_gbs(platform)
@@ -398,7 +477,6 @@ def main(argv=None) -> int:
         f"{args.dtype} matmul {tflops:.2f} TFLOP/s",
         flush=True,
     )
-    plans = _plans(args, arch)
     probe = Probe(platform, dtype)
     ours = partial(our_decode, platform=platform, probe=probe)
     summary: dict[int, tuple[list[Row], float]] = {}
@@ -407,10 +485,16 @@ def main(argv=None) -> int:
         make_checkpoint(cfg, path, seed=0)
         for batch in batches:
             prompts = [[(7 * i + 3 + 11 * r) % arch.vocab_size for i in range(args.prompt_len)] for r in range(batch)]
-            rows = []
-            for exe_mode, plan in [("eager", None), ("ge_graph", None)] + [("ge_graph", pl) for pl in plans]:
-                rows.append(ours(args.model, path, exe_mode, plan, prompts, args.steps, args.dtype, max_len))
-                print(f"  batch {batch}: measured {rows[-1].name}", flush=True)
+            if rounds > 1:
+                rows = our_rounds(
+                    args.model, path, specs, prompts, args.steps, args.dtype, max_len, rounds, platform, probe
+                )
+                print(f"  batch {batch}: measured our {len(rows)} modes in {rounds} rounds", flush=True)
+            else:
+                rows = []
+                for exe_mode, plan in specs:
+                    rows.append(ours(args.model, path, exe_mode, plan, prompts, args.steps, args.dtype, max_len))
+                    print(f"  batch {batch}: measured {rows[-1].name}", flush=True)
             if not args.no_hf:
                 for compiled in (False,) if args.no_compiled_peer else (False, True):
                     rows.append(hf_decode(path, prompts, args.steps, dtype, compiled, args.device, probe))
@@ -436,6 +520,40 @@ def main(argv=None) -> int:
         plot(Path(args.plot), summary, f"{args.size}, {args.dtype}, {platform.describe()}")
         print(f"plot: {args.plot}")
     return 0
+
+
+def choose_rounds(
+    asked: int | None, arch: ModelArch, dtype_bytes: int, modes: int, platform: Platform
+) -> tuple[int | None, str]:
+    """(rounds, the header's line saying why), or (None, the one-line refusal) when --rounds > 1
+    was asked for and every mode would not fit in memory at once. The estimate is generous: each
+    compiled mode counted with a second (packed) copy of the weights, and the last mode's loading
+    (the checkpoint read beside its weights) on top."""
+    if asked == 1:
+        return 1, "1 round: each mode built, timed once and freed in turn (--rounds 1)"
+    from executor.memory import available, fmt_bytes
+
+    one = resident_bytes(arch, dtype_bytes)
+    need = one * (2 * modes - 1) + 2 * one
+    free, source, _ = available(platform.kind)
+    rounds = asked or 3
+    if free is None or need <= 0.8 * free:
+        room = f"about {fmt_bytes(need)} of {fmt_bytes(free)} available" if free else f"memory not checked: {source}"
+        return rounds, f"{rounds} rounds: the {modes} modes of ours held at once and timed in turns ({room})"
+    said = f"{modes} modes held at once need about {fmt_bytes(need)}, {fmt_bytes(free)} is available ({source})"
+    if asked:
+        return None, f"--rounds {asked}: {said}; use --rounds 1 (each mode alone, in turn) or fewer --plans"
+    return 1, f"1 round: each mode built, timed once and freed in turn, as {said} (--rounds to choose)"
+
+
+def resident_bytes(arch: ModelArch, dtype_bytes: int) -> int:
+    """Bytes of one loaded model: weight_bytes plus the experts a step does not read."""
+    if not arch.num_experts:
+        return arch.weight_bytes(dtype_bytes)
+    moe_layers = sum(arch.is_moe_layer(i) for i in range(arch.num_layers))
+    unread = arch.num_experts - arch.num_experts_per_tok
+    expert = 3 * arch.hidden_size * arch.moe_intermediate_size * dtype_bytes
+    return arch.weight_bytes(dtype_bytes) + moe_layers * unread * expert
 
 
 def _plans(args, arch) -> list[str]:
@@ -495,17 +613,28 @@ def bench_ranks(args, argv: list[str], cfg: dict, arch, platform, max_len: int) 
     return 0
 
 
+def vs_graph(r: Row, graph: Row) -> str:
+    """ge_graph's step over this mode's: per round when the two took turns ("median (min-max)"),
+    else the ratio of the two medians."""
+    if r.round_ms and graph.round_ms:
+        return paired(list(graph.round_ms), list(r.round_ms)).replace(" (", "x (", 1)
+    return f"{graph.ms / r.ms:.2f}x"
+
+
 def print_table(rows: list[Row], batch: int) -> None:
-    graph_ms = next(r.ms for r in rows if r.name == "ours ge_graph")
+    graph = next(r for r in rows if r.name == "ours ge_graph")
     peers = {r.name: r.ms for r in rows if r.name.startswith("transformers")}
     ref = rows[0].tokens  # ours eager
-    head = ["mode", "decode ms/step (median)", "tokens/s", "vs ge_graph", "x roofline", "read GB/s (before/after)"]
-    head += ["TFLOP/s (before/after)"]
+    rounds = len(graph.round_ms)
+    head = ["mode", "decode ms/step (median)", "tokens/s"]
+    head += [f"vs ge_graph (per round: median (range) of {rounds})" if rounds else "vs ge_graph", "x roofline"]
+    head += [f"read GB/s ({'between rounds' if rounds else 'before/after'})"]
+    head += [f"TFLOP/s ({'between rounds' if rounds else 'before/after'})"]
     head += [f"vs {n}" for n in peers] + ["compile s", "greedy tokens vs ours eager"]
     print(f"\n### batch {batch}\n\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
         ratio = f"{r.ms / r.roof_ms:.2f}"
-        cells = [r.name, f"{r.ms:.3f}", f"{batch * 1e3 / r.ms:.1f}", f"{graph_ms / r.ms:.2f}x", ratio]
+        cells = [r.name, f"{r.ms:.3f}", f"{batch * 1e3 / r.ms:.1f}", vs_graph(r, graph), ratio]
         cells += [readings(r.read_gbs, 1), readings(r.tflops, 2)]
         cells += [f"{ms / r.ms:.2f}x" for ms in peers.values()]
         cells += ["" if r.compile_s is None else f"{r.compile_s:.1f}", token_check(r.tokens, ref)]

@@ -1,5 +1,5 @@
 """The benchmarks' arithmetic: decode_bench's and prefill_bench's roofline terms, how each decode
-mode's row is judged, and attention_bench's paired ratio.
+mode's row is judged, and the paired ratio of the benchmarks' rounds.
 
 Why test a benchmark: its "x roofline" column is how issue 13's targets are read. A FLOP count
 off by a factor, or a mode judged against the start's rates instead of those read next to its own
@@ -9,11 +9,14 @@ what the benchmark prints); this checks what it does with them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from benchmarks.attention_bench import paired
+from benchmarks.cli import paired
 from benchmarks.decode_bench import (
     Row,
+    choose_rounds,
     figure,
     moved,
     print_batch_summary,
@@ -23,6 +26,7 @@ from benchmarks.decode_bench import (
 )
 from benchmarks.prefill_bench import prefill_cost
 from executor.arch import load_arch
+from executor.platform import detect
 
 LM_HEAD = 151936 * 1024
 
@@ -87,6 +91,37 @@ def test_the_tables_show_each_modes_ratio_flags_and_tokens(capsys):
     print_batch_summary({16: (rows, 80.0)})
     summary = capsys.readouterr().out
     assert "| ours eager | 80.0 (2.50) |" in summary and "| ours ge_graph | 160.0 (1.25?) |" in summary
+
+
+def test_modes_that_took_turns_are_compared_round_by_round(capsys):
+    """The ratio to ge_graph is taken within each round (the modes took turns), not between the
+    pooled medians: here those would read 0.80x (10 / 12.5), the rounds 1.25x every time."""
+    rates = dict(read_gbs=(30.0, 31.0, 30.0, 30.5), tflops=(0.2, 0.2, 0.2, 0.2))
+    rows = [
+        Row("ours eager", 20.0, None, [[1]], round_ms=(20.0, 40.0, 20.0), **rates),
+        Row("ours ge_graph", 10.0, 30.0, [[1]], round_ms=(10.0, 20.0, 10.0), **rates),
+        Row("ours ge_graph + SK decoder", 12.5, 30.0, [[1]], round_ms=(8.0, 16.0, 8.0), **rates),
+    ]
+    for r in rows:
+        r.roof_ms = 5.0
+    print_table(rows, 1)
+    out = capsys.readouterr().out
+    assert "| vs ge_graph (per round: median (range) of 3) |" in out and "| read GB/s (between rounds) |" in out
+    sk = next(line for line in out.splitlines() if line.startswith("| ours ge_graph + SK"))
+    assert sk.split(" | ")[3:6] == ["1.250x (1.25-1.25)", "2.50", "30.0/31.0/30.0/30.5"]
+    assert not rows[0].unsteady() and Row("x", 1.0, None, [[1]], read_gbs=(30.0, 36.0, 31.0)).unsteady()
+
+
+def test_every_mode_is_held_at_once_only_where_they_fit():
+    cpu = detect("cpu")
+    small, big = load_arch("", "bench-overhead"), load_arch("", "qwen3-30b-a3b-shallow")
+    big = dataclasses.replace(big, num_layers=48)  # the published depth: ~120 GB a mode in fp32
+    assert choose_rounds(None, small, 4, 6, cpu)[0] == 3 and choose_rounds(9, small, 4, 6, cpu)[0] == 9
+    rounds, why = choose_rounds(None, big, 4, 6, cpu)  # the default: one mode at a time, and the header says why
+    assert rounds == 1 and why.startswith("1 round: each mode built, timed once and freed in turn, as 6 modes held")
+    rounds, why = choose_rounds(3, big, 4, 6, cpu)  # asked for: refused in one line
+    assert rounds is None and why.startswith("--rounds 3: 6 modes held at once need about") and "--rounds 1" in why
+    assert choose_rounds(1, big, 4, 6, cpu)[0] == 1
 
 
 def test_the_plot_puts_batches_in_order_and_labels_each_once():

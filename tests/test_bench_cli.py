@@ -26,6 +26,12 @@ BAD = [
     (gemm_bench, ["--rows", "1,x"], "argument --rows: expected a comma list of positive integers, got '1,x'"),
     (decode_bench, ["--batch", "4,16,"], "argument --batch: expected a comma list of positive integers"),
     (decode_bench, ["--batch", "0"], "argument --batch: expected positive integers, got '0'"),
+    (decode_bench, ["--rounds", "0"], "--rounds: expected a positive integer, got 0"),
+    (  # every mode held at once would not fit (Qwen3-30B-A3B's 48 layers, fp32: ~120 GB a mode)
+        decode_bench,
+        ["--model", "qwen3_moe", "--size", "qwen3-30b-a3b-shallow", "--layers", "48", "--rounds", "3"],
+        "--rounds 3: 6 modes held at once need about",
+    ),
     (attention_bench, ["--lengths", "2k"], "argument --lengths: expected a comma list of positive integers"),
     (attention_bench, ["--modes", "eager,sk"], "--modes: unknown ['sk']; known: eager, ge_graph, decoder"),
     (pointwise_bench, ["--tokens", "a"], "argument --tokens: expected a comma list of positive integers"),
