@@ -110,8 +110,13 @@ def moved(readings: tuple[float, ...]) -> bool:
 
 
 def readings(values: tuple[float, ...], digits: int) -> str:
-    """A cell of readings in the order taken, flagged when two differ by more than 15%."""
-    return "/".join(f"{v:.{digits}f}" for v in values) + (" UNSTEADY" if moved(values) else "")
+    """A cell of readings: before/after, or with rounds their range and count; flagged when two
+    differ by more than 15%."""
+    if len(values) > 2:
+        cell = f"{min(values):.{digits}f}-{max(values):.{digits}f} ({len(values)})"
+    else:
+        cell = "/".join(f"{v:.{digits}f}" for v in values)
+    return cell + (" UNSTEADY" if moved(values) else "")
 
 
 def make_checkpoint(cfg: dict, path: Path, seed: int) -> None:
@@ -628,8 +633,8 @@ def print_table(rows: list[Row], batch: int) -> None:
     rounds = len(graph.round_ms)
     head = ["mode", "decode ms/step (median)", "tokens/s"]
     head += [f"vs ge_graph (per round: median (range) of {rounds})" if rounds else "vs ge_graph", "x roofline"]
-    head += [f"read GB/s ({'between rounds' if rounds else 'before/after'})"]
-    head += [f"TFLOP/s ({'between rounds' if rounds else 'before/after'})"]
+    head += [f"read GB/s ({'range between rounds' if rounds else 'before/after'})"]
+    head += [f"TFLOP/s ({'range between rounds' if rounds else 'before/after'})"]
     head += [f"vs {n}" for n in peers] + ["compile s", "greedy tokens vs ours eager"]
     print(f"\n### batch {batch}\n\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:

@@ -106,9 +106,9 @@ def test_modes_that_took_turns_are_compared_round_by_round(capsys):
         r.roof_ms = 5.0
     print_table(rows, 1)
     out = capsys.readouterr().out
-    assert "| vs ge_graph (per round: median (range) of 3) |" in out and "| read GB/s (between rounds) |" in out
+    assert "| vs ge_graph (per round: median (range) of 3) |" in out and "| read GB/s (range between rounds) |" in out
     sk = next(line for line in out.splitlines() if line.startswith("| ours ge_graph + SK"))
-    assert sk.split(" | ")[3:6] == ["1.250x (1.25-1.25)", "2.50", "30.0/31.0/30.0/30.5"]
+    assert sk.split(" | ")[3:6] == ["1.250x (1.25-1.25)", "2.50", "30.0-31.0 (4)"]
     assert not rows[0].unsteady() and Row("x", 1.0, None, [[1]], read_gbs=(30.0, 36.0, 31.0)).unsteady()
 
 
