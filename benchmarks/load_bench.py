@@ -11,6 +11,7 @@ threads while its threads wait for a core.
 
   python benchmarks/load_bench.py                          # bench-overhead size, 3 modes, 2 policies x governor off/on
   python benchmarks/load_bench.py --size qwen3-0.6b --modes ge_graph,decoder --steps 24
+  python benchmarks/load_bench.py --size qwen3-0.6b --dtype bfloat16 --batch 4 --policies "gomp default" --governor on
 
 Prints, per policy, governor and mode: median and p90 decode ms/step idle and under load, the
 loaded/idle ratio, how many steps ran on fewer threads, and SK decoder against ge_graph
@@ -65,7 +66,7 @@ def child(args) -> int:
     path = Path(args.ckpt)
     if not (path / "config.json").is_file():
         make_checkpoint(cfg, path, seed=0)
-    prompt = [[(7 * i + 3) % cfg["vocab_size"] for i in range(16)]]
+    prompt = [[(7 * i + 3 + 11 * r) % cfg["vocab_size"] for i in range(16)] for r in range(args.batch)]
     runners = {}
     for mode in args.modes.split(","):
         plan = None if mode in ("eager", "ge_graph") else mode
@@ -73,6 +74,8 @@ def child(args) -> int:
             f"model_config.model_path={path}",
             "model_config.with_ckpt=true",
             f"model_config.exe_mode={'eager' if mode == 'eager' else 'ge_graph'}",
+            f"model_config.dtype={args.dtype}",
+            f"scheduler_config.batch_size={args.batch}",
             f"model_config.enable_superkernel={'true' if plan else 'false'}",
             f"model_config.enable_cache_compile={'false' if mode == 'eager' else 'true'}",
             f"model_config.cache_dir={args.cache}",
@@ -119,6 +122,7 @@ def measure(policy: dict, governor: str, args, ckpt: Path, cache: Path) -> dict:
     env["CANN_RECIPES_ADAPTIVE_THREADS"] = "1" if governor == "on" else "0"
     cmd = [sys.executable, __file__, "--child", "--size", args.size, "--modes", args.modes]
     cmd += ["--steps", str(args.steps), "--rounds", str(args.rounds), "--ckpt", str(ckpt), "--cache", str(cache)]
+    cmd += ["--batch", str(args.batch), "--dtype", args.dtype]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     neighbour = None
     try:
@@ -152,6 +156,8 @@ def main(argv=None) -> int:
     p.add_argument("--size", default="bench-overhead", help="named size in configs/model_sizes.yaml")
     p.add_argument("--modes", default="eager,ge_graph,decoder", help="eager, ge_graph and/or SuperKernel plans")
     p.add_argument("--steps", type=int, default=64, help="decode steps per generate call")
+    p.add_argument("--batch", type=int, default=1, help="rows decoded together (default 1)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and cache")
     p.add_argument("--rounds", type=int, default=3, help="timed calls per mode and phase, the modes taking turns")
     p.add_argument("--policies", default="gomp default,passive", help=f"comma list of: {', '.join(POLICIES)}")
     p.add_argument("--governor", default="off,on", help="the runner's thread governor: off, on or both")
@@ -160,8 +166,11 @@ def main(argv=None) -> int:
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
     p.add_argument("--cache", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.steps < 1 or args.rounds < 1:
-        p.error(f"--steps and --rounds: expected positive integers, got {args.steps} and {args.rounds}")
+    if min(args.steps, args.rounds, args.batch) < 1:
+        p.error(
+            f"--steps, --rounds and --batch: expected positive integers, got {args.steps}, {args.rounds} and "
+            f"{args.batch}"
+        )
     if args.child:  # the measured process: only it imports the project (and torch)
         sys.path.insert(0, str(ROOT))
         from benchmarks.cli import guarded
@@ -174,7 +183,8 @@ def main(argv=None) -> int:
     if unknown := [x for x in governors if x not in ("off", "on")]:
         p.error(f"--governor: unknown {unknown}; known: off, on")
     modes = args.modes.split(",")
-    print(f"# load_bench: size {args.size}, modes {args.modes}, {args.rounds} rounds of {args.steps} steps, neighbour: "
+    print(f"# load_bench: size {args.size}, {args.dtype}, batch {args.batch}, modes {args.modes}, {args.rounds} rounds "
+          f"of {args.steps} steps, neighbour: "
           f"{args.neighbour_threads}-thread fp32 1024x1024 matmuls, {os.cpu_count()} cores", flush=True)  # fmt: skip
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

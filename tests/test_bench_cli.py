@@ -37,7 +37,8 @@ BAD = [
     (pointwise_bench, ["--tokens", "a"], "argument --tokens: expected a comma list of positive integers"),
     (prefill_bench, ["--lengths", "-1"], "argument --lengths: expected positive integers, got '-1'"),
     (step_profile, ["--modes", "eager,nope"], "--modes: unknown mode 'nope'"),
-    (load_bench, ["--rounds", "0"], "--steps and --rounds: expected positive integers, got 64 and 0"),
+    (load_bench, ["--rounds", "0"], "--steps, --rounds and --batch: expected positive integers, got 64, 0 and 1"),
+    (load_bench, ["--batch", "0"], "--steps, --rounds and --batch: expected positive integers, got 64, 3 and 0"),
 ]
 
 
