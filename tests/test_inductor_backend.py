@@ -325,3 +325,46 @@ def test_decode_attention_compiles_to_the_same_result_without_bmm(superkernel, d
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     torch.testing.assert_close(got.double(), want, **tol)
     assert not any("bmm" in src for src in code)
+
+
+def _layers_step(x, w):
+    """Four small "layers" of norm, product and activation: every intermediate a buffer of its own."""
+    h = x
+    for _ in range(4):
+        h = torch.nn.functional.silu(reference.rms_norm(h, torch.ones(64), 1e-6) @ w) + h
+    return h
+
+
+@pytest.mark.parametrize(
+    "superkernel,max_nodes,pooled",
+    [(False, None, False), (True, None, True), (True, 10, False)],
+    ids=["ge_graph", "superkernel", "superkernel_large_unit"],
+)
+def test_a_small_launch_units_intermediates_come_from_one_pool(monkeypatch, superkernel, max_nodes, pooled):
+    """A SuperKernel launch unit's fused kernels write every intermediate of the scope, all alive at
+    once, so none can be reused; allocated one by one, they were ~15% of the SK decoder step at
+    bench-overhead. A small unit takes them from one pooled allocation. A Python-wrapper graph keeps
+    Inductor's own allocations (pooled, its views cost more than they saved), and so does a unit
+    over POOL_MAX_NODES (the planner recursed past Python's limit on the 0.6B shape's)."""
+    from torch._inductor.utils import run_and_get_code
+
+    import executor.backends.inductor as inductor
+
+    if max_nodes is not None:
+        monkeypatch.setattr(inductor, "POOL_MAX_NODES", max_nodes)
+    args = (torch.randn(1, 1, 64), torch.randn(64, 64) * 0.1)
+
+    def step(x, w):
+        with superkernel_scope(superkernel, "layers", ""):
+            return _layers_step(x, w)
+
+    with torch.no_grad():
+        compiled = compile_inductor(step, superkernel, "cpu")
+        out, code = run_and_get_code(lambda: compiled(*args))
+    torch.testing.assert_close(out, _layers_step(*args))
+    views = sum(src.count("_alloc_from_pool(") for src in code)
+    empties = sum(src.count("aoti_torch_empty_strided(") for src in code)
+    if pooled:
+        assert views >= 8 and empties <= 3, (views, empties)  # the pool itself and the unit's output
+    else:
+        assert views == 0 and (empties >= 8 or not superkernel), (views, empties)
