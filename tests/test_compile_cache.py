@@ -117,7 +117,7 @@ def test_a_cold_runs_directory_goes_with_its_runner_and_at_exit(tmp_path):
     del runner
     gc.collect()
     assert not scratch.exists()
-    code = "from executor.backends.inductor import ScratchDir; kept = ScratchDir('sk_exit_'); print(kept.path)"
+    code = "from executor.backends.scratch_dir import ScratchDir; kept = ScratchDir('sk_exit_'); print(kept.path)"
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
     left = Path(proc.stdout.strip())
@@ -131,7 +131,7 @@ def test_a_killed_runs_directory_is_removed_by_the_next_one_and_a_live_ones_is_n
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TMPDIR=str(tmp_path))
     hold = (
-        "import sys\nfrom executor.backends.inductor import ScratchDir\n"
+        "import sys\nfrom executor.backends.scratch_dir import ScratchDir\n"
         "d = ScratchDir('sk_t_')\nprint(d.path, flush=True)\n"
     )
 
