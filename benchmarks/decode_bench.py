@@ -221,10 +221,7 @@ def step_cost(arch: ModelArch, dtype_bytes: int, batch: int, context: int) -> tu
     params_per_token = arch.weight_bytes(1)
     if arch.num_experts:  # a batch touches the union of its rows' experts, not k per row
         e, k = arch.num_experts, arch.num_experts_per_tok
-        touched = e * (1 - (1 - k / e) ** batch)
-        expert = 3 * arch.hidden_size * arch.moe_intermediate_size * dtype_bytes
-        moe_layers = sum(arch.is_moe_layer(i) for i in range(arch.num_layers))
-        weights += moe_layers * expert * (touched - k)
+        weights += more_experts_bytes(arch, dtype_bytes, e * (1 - (1 - k / e) ** batch) - k)
     kv = batch * context * arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * dtype_bytes
     attn_flops = batch * arch.num_layers * 4 * arch.num_heads * arch.head_dim * context
     return weights + kv, 2 * params_per_token * batch + attn_flops
@@ -551,14 +548,17 @@ def choose_rounds(
     return 1, f"1 round: each mode built, timed once and freed in turn, as {said} (--rounds to choose)"
 
 
-def resident_bytes(arch: ModelArch, dtype_bytes: int) -> int:
-    """Bytes of one loaded model: weight_bytes plus the experts a step does not read."""
-    if not arch.num_experts:
-        return arch.weight_bytes(dtype_bytes)
+def resident_bytes(arch: ModelArch, dtype_bytes: int) -> float:
+    """Bytes of one loaded model: weight_bytes (k experts per MoE layer) plus the others."""
+    return arch.weight_bytes(dtype_bytes) + more_experts_bytes(
+        arch, dtype_bytes, arch.num_experts - arch.num_experts_per_tok
+    )
+
+
+def more_experts_bytes(arch: ModelArch, dtype_bytes: int, experts: float) -> float:
+    """Bytes of `experts` more experts in every MoE layer than the k of ModelArch.weight_bytes."""
     moe_layers = sum(arch.is_moe_layer(i) for i in range(arch.num_layers))
-    unread = arch.num_experts - arch.num_experts_per_tok
-    expert = 3 * arch.hidden_size * arch.moe_intermediate_size * dtype_bytes
-    return arch.weight_bytes(dtype_bytes) + moe_layers * unread * expert
+    return moe_layers * experts * 3 * arch.hidden_size * arch.moe_intermediate_size * dtype_bytes
 
 
 def _plans(args, arch) -> list[str]:
