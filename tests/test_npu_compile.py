@@ -54,6 +54,7 @@ STATS_KEYS = {
     "cache_enabled",
     "cache_key",
     "cache_lookups",
+    "direct_calls",
     "scopes",
     "superkernel_ran",
 }

@@ -115,6 +115,7 @@ class StepReport:
     cache_enabled: bool = False
     cache_key: dict | None = None  # what the cache directory is keyed on (see cache_key)
     cache_lookups: dict | None = None  # {"hits", "misses", "aot_hits", "aot_misses", "aot_bypasses"}: first call
+    direct_calls: int | None = None  # calls past torch.compile's wrapper (portable graph mode); None: not that backend
     scopes: list[dict] = field(default_factory=list)  # one dict per scope label, backend-specific detail
     superkernel_ran: bool | None = False  # None: not observable (e.g. the graph came from a cache)
 
