@@ -136,6 +136,7 @@ def test_compiled_exactly_once(graph):
         assert where["graphs"] == 1 and where["recompiles"] == 0, where
     assert graph["metrics"]["compile"]["compile_s"] > 0
     assert graph["runner"].step.calls == DECODE_CALLS
+    assert graph["stats"]["direct_calls"] == DECODE_CALLS - 1  # every call after the one that compiled
     assert graph["metrics"]["exe_mode"] == "ge_graph"
 
 

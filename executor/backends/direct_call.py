@@ -75,7 +75,12 @@ class DirectCall:
         if self.closure:  # a closure's free variables are frame locals too, which guards may read
             frame.update(zip(self.code.co_freevars, (cell.cell_contents for cell in self.closure)))
         for guards, fn in self.entries:
-            if guards.check(frame):
+            try:
+                passed = guards.check(frame)
+            except TypeError:  # a guard tree that takes no dict of locals (another torch): never again
+                self.code, self.entries = None, []
+                return None
+            if passed:
                 self.calls += 1
                 return fn(*args)
         return None
