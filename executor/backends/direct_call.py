@@ -2,9 +2,9 @@
 
 Why: in a sub-millisecond decode step, torch.compile's Python wrapper around every call (eval-frame
 switching, nested-compile and export checks, dispatch-key save and restore) cost ~50 us of a ~420 us
-SK decoder step at the overhead-bound bench size: more than Dynamo's guards (~6 us) and as much as
-a third of the scope's own kernels. torchair's `inference.cache_compile` skips Dynamo the same way
-on a cache hit, without guards; we keep them.
+SK decoder step at the overhead-bound bench size, far more than Dynamo's guards (~6 us): direct calls
+took that step to 0.86-0.90x and ge_graph's to 0.89-0.95x (BENCHMARKS.md, "thirty-ninth pass").
+torchair's `inference.cache_compile` skips Dynamo on a cache hit too, without guards; we keep them.
 
 How: after a call through torch.compile, Dynamo's cache entries for the step's code object that our
 backend compiled are read (`_debug_get_cache_entry_list`): each holds its guard tree and the
