@@ -195,9 +195,9 @@ class _Segment:
     """One partition of the split graph, compiled on first call with the real inputs;
     `reads_threads`: its CPU kernels read the thread count (CPU_KERNELS), as the whole step's do.
 
-    A plain callable, not an nn.Module: the split module calls it as an attribute, and nn.Module's
-    call machinery (hooks, forward dispatch) cost 0.966x the SK decoder step at bench-overhead
-    (21 alternating rounds) for nothing a segment uses."""
+    A plain callable, not an nn.Module: the split module calls it as an attribute. Without nn.Module's
+    call machinery (hooks, forward dispatch), which no segment uses, the SK decoder step at
+    bench-overhead took 0.925-0.966x the time (2 x 21 alternating rounds)."""
 
     def __init__(
         self,
@@ -381,7 +381,8 @@ class GraphCompiler:
 
 
 class InductorStep(CompiledStep):
-    """The compiled step: dynamo's errors become ours, and what the scopes did is reported."""
+    """The compiled step: dynamo's errors become ours, and what the scopes did is reported. After the
+    first call, calls run past torch.compile's per-call wrapper where Dynamo's guards pass (DirectCall)."""
 
     def __init__(
         self,
