@@ -336,35 +336,56 @@ def _layers_step(x, w):
 
 
 @pytest.mark.parametrize(
-    "superkernel,max_nodes,pooled",
-    [(False, None, False), (True, None, True), (True, 10, False)],
-    ids=["ge_graph", "superkernel", "superkernel_large_unit"],
+    "superkernel,max_nodes,max_stack,expect",
+    [
+        (False, None, None, "allocated"),
+        (True, None, None, "stack"),
+        (True, None, 10, "pool"),
+        (True, 10, None, "allocated"),
+    ],
+    ids=["ge_graph", "superkernel", "superkernel_past_the_stack_limit", "superkernel_large_unit"],
 )
-def test_a_small_launch_units_intermediates_come_from_one_pool(monkeypatch, superkernel, max_nodes, pooled):
+def test_a_small_launch_units_intermediates_sit_on_the_stack_or_in_one_pool(
+    monkeypatch, superkernel, max_nodes, max_stack, expect
+):
     """A SuperKernel launch unit's fused kernels write every intermediate of the scope, all alive at
     once, so none can be reused; allocated one by one, they were ~15% of the SK decoder step at
-    bench-overhead. A small unit takes them from one pooled allocation. A Python-wrapper graph keeps
-    Inductor's own allocations (pooled, its views cost more than they saved), and so does a unit
-    over POOL_MAX_NODES (the planner recursed past Python's limit on the 0.6B shape's)."""
+    bench-overhead. A small unit keeps them in arrays on its C++ wrapper's stack where they fit
+    (Inductor's limit: MAX_STACK_ALLOCATION_SIZE elements in all), else in one pooled allocation.
+    A Python-wrapper graph keeps Inductor's own allocations (pooled, its views cost more than they
+    saved), and so does a unit over POOL_MAX_NODES (the planner recursed past Python's limit on the
+    0.6B shape's). The wrapper class is Inductor's own again after the unit's compile."""
+    from torch._inductor.codegen import common
+    from torch._inductor.codegen import cpp_wrapper_cpu_array_ref as array_ref
     from torch._inductor.utils import run_and_get_code
 
     import executor.backends.inductor as inductor
 
     if max_nodes is not None:
         monkeypatch.setattr(inductor, "POOL_MAX_NODES", max_nodes)
+    if max_stack is not None:
+        monkeypatch.setattr(array_ref, "MAX_STACK_ALLOCATION_SIZE", max_stack)
+    # compiled afresh: the caches' keys hold Inductor's options, not the stack limit patched above
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     args = (torch.randn(1, 1, 64), torch.randn(64, 64) * 0.1)
 
     def step(x, w):
         with superkernel_scope(superkernel, "layers", ""):
             return _layers_step(x, w)
 
+    common.init_backend_registration()
+    wrapper = common.device_codegens["cpu"].cpp_wrapper_codegen
     with torch.no_grad():
         compiled = compile_inductor(step, superkernel, "cpu")
         out, code = run_and_get_code(lambda: compiled(*args))
     torch.testing.assert_close(out, _layers_step(*args))
+    assert common.device_codegens["cpu"].cpp_wrapper_codegen is wrapper
+    stacked = sum(len(re.findall(r"\bfloat buf\d+_storage\[", src)) for src in code)
     views = sum(src.count("_alloc_from_pool(") for src in code)
     empties = sum(src.count("aoti_torch_empty_strided(") for src in code)
-    if pooled:
-        assert views >= 8 and empties <= 3, (views, empties)  # the pool itself and the unit's output
+    found = {"stack": stacked >= 8 and views == 0, "pool": views >= 8 and stacked == 0}
+    if expect == "allocated":
+        assert stacked == views == 0 and (empties >= 8 or not superkernel), (stacked, views, empties)
     else:
-        assert views == 0 and (empties >= 8 or not superkernel), (views, empties)
+        assert found[expect] and empties <= 3, (stacked, views, empties)  # the pool itself and the unit's output

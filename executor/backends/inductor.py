@@ -27,6 +27,7 @@ CUDA a collective is captured into the scope's CUDA graph with the rest (NCCL su
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 from collections.abc import Callable
@@ -51,6 +52,7 @@ from executor.backends.direct_call import DirectCall
 from executor.backends.graph_passes import before_inductor
 from executor.backends.packed_linear import MIN_WEIGHT_NUMEL
 from executor.backends.scratch_dir import ScratchDir
+from executor.backends.unit_memory import POOL_MAX_NODES, SMALL_UNIT, unit_wrapper
 from executor.errors import RecipeError
 from executor.scope import SCOPE_ENTER, SCOPE_EXIT, parse_options
 
@@ -64,17 +66,6 @@ _MARKERS = (SCOPE_ENTER, SCOPE_EXIT, torch.ops.sk.scope_enter, torch.ops.sk.scop
 # Python wrapper and its BLAS calls for small GEMMs. Measured effect: BENCHMARKS.md.
 CPU_LAUNCH_UNIT = {"cpp_wrapper": True, "post_grad_fusion_options": {"decompose_mm_pass": {}}}
 
-# A small CPU launch unit takes its intermediates from one pooled allocation. Why: its fused
-# kernels write every intermediate of the scope, all alive at once, so Inductor cannot reuse one
-# buffer for another, and the C++ wrapper allocated each anew on every call (~150 at bench-overhead,
-# three mallocs apiece: 15% of the SK decoder step's samples under perf). Pooled, that step took
-# 0.89-0.90x the time (three alternating A/Bs, at 1 and 2 threads). Only for units of up to
-# POOL_MAX_NODES graph nodes (bench-overhead's and the built-in model's decoder: 846): the 0.6B
-# shape's step was level (0.998) and Inductor's planner recursed past Python's frame limit on its
-# 28-layer unit. Not for Python-wrapper graphs either: there the pool's views are made in Python,
-# and the ge_graph step took 1.11-1.18x (BENCHMARKS.md, "thirty-eighth pass").
-POOLED_UNIT = {"memory_planning": True}
-POOL_MAX_NODES = 1200  # a 1,539-node test unit still planned at the default limit of 1000 frames
 
 # A large model's CPU kernels read the thread count when they run (`omp_get_max_threads`) instead
 # of having it compiled in, and Dynamo does not guard the step on the count. Why: the thread
@@ -222,10 +213,11 @@ class _Segment:
             # CPU launch unit = the C++ wrapper; CUDA launch unit = one CUDA graph (captured by us:
             # Inductor's own cudagraphs silently skip graphs that mutate inputs, like the KV cache).
             patch = {**(CPU_KERNELS if self.reads_threads else {}), **(CPU_LAUNCH_UNIT if self.fused else {})}
-            if self.fused and self.device == "cpu" and len(self.gm.graph.nodes) <= POOL_MAX_NODES:
-                patch |= POOLED_UNIT
+            small = self.fused and self.device == "cpu" and len(self.gm.graph.nodes) <= POOL_MAX_NODES
+            if small:  # intermediates on the stack or from a pool (executor.backends.unit_memory)
+                patch |= SMALL_UNIT
             before_inductor(self.gm, self.device, launch_unit=self.fused)
-            with inductor_config.patch(patch):
+            with inductor_config.patch(patch), unit_wrapper() if small else contextlib.nullcontext():
                 self.fn = compile_fx(self.gm, _fake_inputs(args))
             if self.fused and self.device == "cuda":
                 self.fn = _CudaGraphUnit(self.fn, args)
