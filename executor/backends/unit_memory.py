@@ -7,7 +7,7 @@ bench-overhead, a TensorImpl, a StorageImpl and the data apiece: 15% of the SK d
 samples under perf). Pooled (Inductor's `memory_planning`), that step took 0.89-0.90x the time
 ("thirty-eighth pass"), but every pooled buffer is still a tensor made and freed per call. Arrays on
 the wrapper's stack (Inductor's ArrayRef wrapper, `aot_inductor.allow_stack_allocation`) are no
-tensors at all: 0.766x the pooled step (21 alternating rounds; BENCHMARKS.md, "thirty-ninth pass").
+tensors at all: 0.77-0.82x the pooled step (2 x 21 alternating rounds; BENCHMARKS.md, "thirty-ninth pass").
 
 Inductor allows stack arrays up to MAX_STACK_ALLOCATION_SIZE elements in all and, past that, falls
 back to one allocation per buffer without a pool; so it does for a unit that calls an extern kernel
@@ -35,17 +35,15 @@ POOL_MAX_NODES = 1200  # a 1,539-node test unit still planned at the default lim
 SMALL_UNIT = {"memory_planning": True, "aot_inductor.allow_stack_allocation": True}
 
 
+@functools.cache
 def _stack_or_pool_class():
     """StackOrPool, built on first use: it subclasses an Inductor class, and importing Inductor
     costs seconds that a run without a compiled CPU unit should not pay."""
     from torch._inductor import config
-    from torch._inductor.codegen.cpp_wrapper_cpu_array_ref import (
-        MAX_STACK_ALLOCATION_SIZE,
-        CppWrapperCpuArrayRef,
-    )
+    from torch._inductor.codegen import cpp_wrapper_cpu_array_ref as array_ref
     from torch._inductor.codegen.wrapper import AllocateLine
 
-    class StackOrPool(CppWrapperCpuArrayRef):
+    class StackOrPool(array_ref.CppWrapperCpuArrayRef):
         """Inductor's ArrayRef C++ wrapper, which puts the intermediates on the stack where they fit
         in all; where they do not, the pool (memory_planning) instead of one allocation each."""
 
@@ -65,7 +63,7 @@ def _stack_or_pool_class():
         def run_wrapper_ir_passes(self, is_inference: bool):
             # An extern kernel call (an aten op the unit calls as a library function) has already
             # turned stack arrays off by now, as too many elements will when the plan is made.
-            fits = self.allow_stack_allocation and self.stack_elements() <= MAX_STACK_ALLOCATION_SIZE
+            fits = self.allow_stack_allocation and self.stack_elements() <= array_ref.MAX_STACK_ALLOCATION_SIZE
             self.stacked = is_inference and fits
             with config.patch(memory_planning=not self.stacked):
                 super().run_wrapper_ir_passes(is_inference)
