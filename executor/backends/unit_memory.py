@@ -75,12 +75,17 @@ def _stack_or_pool_class():
 def unit_wrapper() -> Iterator[None]:
     """While a small CPU unit compiles: its C++ wrapper is StackOrPool. Inductor picks the wrapper
     class per device from a table filled once per process; the table is restored afterwards, so
-    every other C++-wrapper graph keeps Inductor's own."""
+    every other C++-wrapper graph keeps Inductor's own. Where StackOrPool cannot be built on this
+    torch, Inductor's own wrapper pools the unit's intermediates (SMALL_UNIT's memory_planning)."""
     from torch._inductor.codegen import common
 
     common.init_backend_registration()
     before = common.device_codegens["cpu"]
-    common.device_codegens["cpu"] = dataclasses.replace(before, cpp_wrapper_codegen=_stack_or_pool_class())
+    try:
+        ours = dataclasses.replace(before, cpp_wrapper_codegen=_stack_or_pool_class())
+    except (AttributeError, ImportError, TypeError):  # another torch's Inductor: its own wrapper, pooled
+        ours = before
+    common.device_codegens["cpu"] = ours
     try:
         yield
     finally:
