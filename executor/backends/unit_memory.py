@@ -64,8 +64,7 @@ def _stack_or_pool_class():
             # An extern kernel call (an aten op the unit calls as a library function) has already
             # turned stack arrays off by now, as too many elements will when the plan is made.
             fits = self.allow_stack_allocation and self.stack_elements() <= array_ref.MAX_STACK_ALLOCATION_SIZE
-            self.stacked = is_inference and fits
-            with config.patch(memory_planning=not self.stacked):
+            with config.patch(memory_planning=not (is_inference and fits)):
                 super().run_wrapper_ir_passes(is_inference)
 
     return StackOrPool
