@@ -25,6 +25,17 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def float_list(text: str) -> list[float]:
+    """A comma list of numbers, e.g. "0,5,20" (blanks dropped; an empty list is an error)."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of numbers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected a comma list of numbers, got {text!r}")
+    return values
+
+
 def name_list(text: str) -> list[str]:
     """A comma list of names, blanks dropped ("eager, ge_graph" -> ["eager", "ge_graph"])."""
     return [x.strip() for x in text.split(",") if x.strip()]

@@ -18,6 +18,7 @@ from benchmarks import (
     pointwise_bench,
     prefill_bench,
     step_profile,
+    verdict_bench,
 )
 from benchmarks.cli import guarded, int_list, name_list
 from tests.fresh_python import REPO
@@ -39,6 +40,8 @@ BAD = [
     (step_profile, ["--modes", "eager,nope"], "--modes: unknown mode 'nope'"),
     (load_bench, ["--rounds", "0"], "--steps, --rounds and --batch: expected positive integers, got 64, 0 and 1"),
     (load_bench, ["--batch", "0"], "--steps, --rounds and --batch: expected positive integers, got 64, 3 and 0"),
+    (verdict_bench, ["--gains", "1,x"], "argument --gains: expected a comma list of numbers, got '1,x'"),
+    (verdict_bench, ["--slow", "2"], "--slow between 0 and 1"),
 ]
 
 
