@@ -107,10 +107,12 @@ def build_step(recipe: str, size: str, mode: str, custom: bool, t: int, position
         "model_config.with_ckpt=false",  # random weights of the named size
         "model_config.enable_cache_compile=false",
         f"model_config.tokenizer_path={BUILTIN_TOKENIZER}",
-        "scheduler_config.max_new_tokens=1",
+        # static cache slots = prompt + new tokens = t; the prompt is the filled part only, as the
+        # memory pre-flight sizes a prefill of it (a 16k prompt's activations at 0.6B: ~49 GB)
+        f"data_config.input_truncated_len={min(position + 1, t - 1)}",
+        f"scheduler_config.max_new_tokens={t - min(position + 1, t - 1)}",
         f"scheduler_config.batch_size={batch}",
         f"model_config.dtype={dtype}",
-        f"data_config.input_truncated_len={t - 1}",  # static cache slots = t
         f"model_config.custom_ops={'[decode_attention]' if custom else '[]'}",
     ]
     runner = runner_class(recipe)(load_config(default_config(recipe), overrides), detect("cpu"), None)
