@@ -85,8 +85,8 @@ def test_exceeds_noise_overlapping_ranks():
 
 def test_exceeds_noise_one_slow_process_does_not_hide_a_clear_gain():
     # sk_compare on the built-in model (BENCHMARKS.md, thirty-ninth pass): every optimized run beat
-    # every baseline run by 28-40%, but one slow baseline process made the baseline's std 0.41 ms
-    # against a median gap of 0.16. Without its slowest run the baseline's std is 0.042.
+    # every baseline run (by 19% or more), but one slow baseline process made the baseline's std
+    # 0.41 ms against a median gap of 0.16. Without its slowest run the baseline's std is 0.042.
     base, opt = [1.21, 0.48, 0.54], [0.32, 0.38, 0.39]
     assert exceeds_noise(base, opt)
     judged = judge_difference(base, opt)
