@@ -22,13 +22,14 @@ from executor.backends.eager_linear import gemv_in_graphs
 from executor.backends.packed_linear import MIN_WEIGHT_NUMEL, call_instead, pack_batched_linears
 
 
-def _stored(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node:
+def _stored(gm: torch.fx.GraphModule, node: torch.fx.Node, stride: tuple | None = None) -> torch.fx.Node:
     """A node that stores `node`'s value in a buffer of its own (Inductor's force_stride_order
     copy), inserted at the graph's current insertion point: what reads it can no longer inline
-    (and so recompute) the pointwise chain that made the value."""
+    (and so recompute) the pointwise chain that made the value. `stride`: for a node this pass
+    made (no example value), the stride of the value it was made from."""
     import torch._inductor.inductor_prims  # registers prims.inductor_force_stride_order
 
-    stride = tuple(node.meta["example_value"].stride())
+    stride = stride or tuple(node.meta["example_value"].stride())
     return gm.graph.call_function(torch.ops.prims.inductor_force_stride_order.default, (node, stride))
 
 
@@ -83,9 +84,19 @@ def _gemv_to_reduction(gm: torch.fx.GraphModule, decomposes_small: bool = False,
         with gm.graph.inserting_before(node):
             # Store the input row before the reduction reads it: otherwise Inductor inlines the
             # pointwise chain that made it (the residual add and RMSNorm) into the reduction's
-            # body and recomputes it for every one of the N output rows.
-            row = gm.graph.call_method("unsqueeze", (_stored(gm, x), -2))  # (..., 1, K)
+            # body and recomputes it for every one of the N output rows. A bf16/fp16 row on CPU is
+            # stored widened to fp32, which the reduction computes in anyway: left narrow, the
+            # reduction converted the whole row again for every weight row, and streamed a 0.6B
+            # lm_head at ~44 GB/s where a sum read 62-65 (BENCHMARKS.md, "fortieth pass").
+            widen = cpu and value.dtype in (torch.bfloat16, torch.float16)
+            convert = torch.ops.prims.convert_element_type.default
+            # widened from a stored copy: Inductor folds fp32 -> bf16 -> fp32 chains, which would
+            # skip the rounding the row had in the model (and in eager)
+            src = gm.graph.call_function(convert, (_stored(gm, x), torch.float32)) if widen else x
+            row = gm.graph.call_method("unsqueeze", (_stored(gm, src, tuple(value.stride())), -2))  # (..., 1, K)
             out = gm.graph.call_method("sum", (gm.graph.call_function(operator.mul, (row, w)), -1))  # (..., N)
+            if widen:  # the linear's own result dtype, rounded once as before
+                out = gm.graph.call_function(convert, (out, value.dtype))
             if bias is not None:
                 out = gm.graph.call_function(operator.add, (out, bias))
         node.replace_all_uses_with(out)
