@@ -22,6 +22,9 @@ and 1.03x as ratios of best rounds (BENCHMARKS.md, "twenty-third pass").
   python benchmarks/attention_bench.py --size bench-overhead --lengths 2048,16384 --modes ge_graph,decoder --threads 1
   python benchmarks/attention_bench.py --size qwen3-0.6b --batch 4 --dtype bfloat16 --lengths 256,1024 \
       --position 255 --modes ge_graph --no-op-table
+  # target 3 at the 0.6B shape, one mode per run (with two, the memory pre-flight refused it on a 24 GiB host):
+  python benchmarks/attention_bench.py --size qwen3-0.6b --dtype bfloat16 --lengths 2048,16384 --modes ge_graph \
+      --no-op-table
 """
 
 from __future__ import annotations
