@@ -12,6 +12,12 @@ runner exactly as `bash infer.sh` runs it: prefill, warm-up steps (the first com
 
   python benchmarks/step_profile.py --device cuda --size qwen3-0.6b --dtype bfloat16 --modes eager,ge_graph,decoder
   python benchmarks/step_profile.py --size bench-overhead --modes ge_graph,decoder --top 8
+  python benchmarks/step_profile.py --size qwen3-0.6b --dtype bfloat16 --batch 16 --modes ge_graph --perf
+
+--perf (CPU, Linux perf on PATH): sample the profiled steps with `perf record` instead, and print each
+thread's CPU time per step by shared object: Inductor's kernels, our kernels (cann_cpu_*), oneDNN's JIT
+code, libgomp (a thread waiting at a barrier or for the main thread), Python. The one view of where a
+compiled CPU step's time goes inside its kernels (benchmarks/perf_samples.py).
 
 Modes: eager, ge_graph, or a SuperKernel plan name (ge_graph with that plan).
 """
@@ -19,8 +25,10 @@ Modes: eager, ge_graph, or a SuperKernel plan name (ge_graph with that plan).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -32,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cli import guarded, name_list  # noqa: E402
+from benchmarks.perf_samples import PerfRecorder, require_perf, rows  # noqa: E402
 from executor.arch import named_size  # noqa: E402
 from executor.backends import greedy  # noqa: E402
 from executor.config import PLANS, load_config  # noqa: E402
@@ -66,45 +75,73 @@ def build_runner(args, mode: str):
 
 
 def profile_mode(args, mode: str) -> dict:
-    """Profile --steps decode steps of `mode` after --warmup unprofiled ones."""
+    """Profile --steps decode steps of `mode` after --warmup unprofiled ones (--perf: sampled by perf)."""
+    if getattr(args, "perf", False):
+        with tempfile.TemporaryDirectory(prefix="step_perf_") as tmp:
+            return _profile_mode(args, mode, Path(tmp) / "perf.data")
+    return _profile_mode(args, mode, None)
+
+
+def _profile_mode(args, mode: str, perf_data: Path | None) -> dict:
     runner = build_runner(args, mode)
+    recorder = None
     platform = runner.platform
     now = timer(platform)
     prompts = [[(7 * r + i) % 100 + 1 for i in range(args.prompt_len)] for r in range(args.batch)]
     wall: list[float] = []
     plain: list[float] = []
-    with runner.session(args.batch):
-        pre = runner.prefill(prompts)
-        token = greedy.next_tokens(pre.logits)
-        pos = pre.lengths.view(args.batch, 1).clone()
-        t0 = time.perf_counter()
-        for _ in range(args.warmup):  # the first compiles the step
-            token = greedy.next_tokens(runner.decode_one(token, pos))
-            pos += 1
-        compile_s = time.perf_counter() - t0
-        for _ in range(args.timed):  # the wall time, without the profiler's own cost
-            t = now()
-            token = greedy.next_tokens(runner.decode_one(token, pos))
-            pos += 1
-            plain.append((now() - t) * 1e3)
-        with torch.profiler.profile(activities=profiler_activities(platform)) as prof:
-            for _ in range(args.steps):
+    try:
+        with runner.session(args.batch):
+            pre = runner.prefill(prompts)
+            token = greedy.next_tokens(pre.logits)
+            pos = pre.lengths.view(args.batch, 1).clone()
+            t0 = time.perf_counter()
+            for _ in range(args.warmup):  # the first compiles the step
+                token = greedy.next_tokens(runner.decode_one(token, pos))
+                pos += 1
+            compile_s = time.perf_counter() - t0
+            if perf_data is not None:  # after the compile, before the timed steps: see perf_samples
+                recorder = PerfRecorder(perf_data)
+            for _ in range(args.timed):  # the wall time, without the profiler's own cost
                 t = now()
-                with torch.profiler.record_function(STEP):
+                token = greedy.next_tokens(runner.decode_one(token, pos))
+                pos += 1
+                plain.append((now() - t) * 1e3)
+            if recorder is not None:
+                recorder.enable()
+                for _ in range(args.steps):
+                    t = now()
                     token = greedy.next_tokens(runner.decode_one(token, pos))
                     pos += 1
-                wall.append((now() - t) * 1e3)
+                    wall.append((now() - t) * 1e3)
+                recorder.disable()
+            else:
+                with torch.profiler.profile(activities=profiler_activities(platform)) as prof:
+                    for _ in range(args.steps):
+                        t = now()
+                        with torch.profiler.record_function(STEP):
+                            token = greedy.next_tokens(runner.decode_one(token, pos))
+                            pos += 1
+                        wall.append((now() - t) * 1e3)
+    finally:
+        if recorder is not None:
+            recorder.finish()  # perf leaves with the steps, whatever happened in them
+    common = {
+        "mode": mode,
+        "wall_ms": statistics.median(wall),
+        "plain_ms": statistics.median(plain) if plain else None,
+        "compile_s": compile_s,
+    }
+    if recorder is not None:
+        del runner
+        torch._dynamo.reset()
+        samples = recorder.stop()
+        return {**common, "perf": rows(samples, os.getpid(), args.steps, args.top)}
     if args.trace_dir:
         Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(Path(args.trace_dir) / f"step_{mode}.json"))
     summary = summarise(prof, platform.kind == "cuda", args.steps)
-    summary.update(
-        mode=mode,
-        wall_ms=statistics.median(wall),
-        plain_ms=statistics.median(plain) if plain else None,
-        compile_s=compile_s,
-        host=host_events(prof, args.steps),
-    )
+    summary.update(common, host=host_events(prof, args.steps))
     del runner
     torch._dynamo.reset()
     return summary
@@ -161,18 +198,33 @@ def main(argv=None) -> int:
     p.add_argument("--timed", type=int, default=32, help="decode steps timed without the profiler, before it")
     p.add_argument("--top", type=int, default=12, help="kernels listed per mode")
     p.add_argument("--trace-dir", default="", help="also write each mode's chrome trace here")
+    p.add_argument("--perf", action="store_true", help="CPU: sample the steps with Linux perf, by thread and library")
     args = p.parse_args(argv)
+    if args.perf and args.device != "cpu":
+        p.error("--perf: CPU only (on CUDA the profiler already sees each kernel)")
+    if args.perf and args.trace_dir:
+        p.error("--perf and --trace-dir: a perf run writes no chrome trace; drop one")
     modes = args.modes
     for m in modes:
         if m not in ("eager", "ge_graph") and m not in PLANS:
             p.error(f"--modes: unknown mode {m!r}; use eager, ge_graph or a plan ({', '.join(PLANS)})")
     named_size(args.size, "--size")  # said as the option the user typed, not the config key it becomes
+    if args.perf:
+        require_perf()  # before any model is built
     what = "GPU kernels" if args.device == "cuda" else "top-level CPU events"
+    if args.perf:
+        what = "perf samples by thread and shared object"
     print(f"{args.size}, {args.dtype}, batch {args.batch}, {args.prompt_len}-token prompt, {args.device}; "
           f"{args.steps} profiled steps per mode; rows: {what}")  # fmt: skip
     for mode in modes:
         s = profile_mode(args, mode)
         plain = f"{s['plain_ms']:.3f} ms/step (median of {args.timed}), " if s["plain_ms"] else ""
+        if "perf" in s:
+            print(f"\n== {mode}: wall {plain}{s['wall_ms']:.3f} under perf; warm-up {s['compile_s']:.1f} s")
+            print(f"   {'thread':<9} {'CPU ms/step':>11} {'share':>6}  shared object")
+            for thread, grp, ms, share in s["perf"]:
+                print(f"   {thread:<9} {ms:11.3f} {share:6.1%}  {grp}")
+            continue
         print(
             f"\n== {mode}: wall {plain}{s['wall_ms']:.3f} under the profiler; "
             f"{s['per_step']:.0f} {what}/step, busy {s['busy_ms']:.3f} ms/step; warm-up {s['compile_s']:.1f} s"

@@ -38,6 +38,8 @@ BAD = [
     (pointwise_bench, ["--tokens", "a"], "argument --tokens: expected a comma list of positive integers"),
     (prefill_bench, ["--lengths", "-1"], "argument --lengths: expected positive integers, got '-1'"),
     (step_profile, ["--modes", "eager,nope"], "--modes: unknown mode 'nope'"),
+    (step_profile, ["--perf", "--device", "cuda"], "--perf: CPU only"),
+    (step_profile, ["--perf", "--trace-dir", "t"], "--perf and --trace-dir: a perf run writes no chrome trace"),
     (load_bench, ["--rounds", "0"], "--steps, --rounds and --batch: expected positive integers, got 64, 0 and 1"),
     (load_bench, ["--batch", "0"], "--steps, --rounds and --batch: expected positive integers, got 64, 3 and 0"),
     (verdict_bench, ["--gains", "1,x"], "argument --gains: expected a comma list of numbers, got '1,x'"),
