@@ -44,7 +44,7 @@ def group(dso: str) -> str:
     if _INDUCTOR_SO.fullmatch(name):
         return "Inductor's kernels"
     if (name.startswith("perf-") and name.endswith(".map")) or name in ("[JIT]", "[unknown]", ""):
-        return "JIT code (oneDNN)"
+        return "JIT or unnamed code (oneDNN)"
     if name.startswith("libgomp"):
         return "libgomp (barriers, waits)"
     if name.startswith("libpython"):
