@@ -11,9 +11,10 @@ control pipe (`--control fd:`), so only the chosen steps are sampled, not prefil
 Start the recorder after the compile and run a few steps before enabling it:
 - perf learns where each library sits from the process's maps when it attaches, and records no
   mapping made while it is disabled, so a kernel library loaded later has no name ("[unknown]");
-- starting perf (fork + exec) makes the process's pages copy-on-write for a moment, and the first
-  writes after it fault: enabled at once, a batch-64 step showed 1.7% of its samples in the
-  kernel's `clear_page_erms`, which the process without perf does not take (~3 minor faults a step).
+- right after perf starts, the process's first writes fault (most likely perf's fork, which makes
+  the pages copy-on-write for a moment): enabled at once, a batch-64 step showed 1.7% of its
+  samples in the kernel's `clear_page_erms`, which the process without perf does not take (~3 minor
+  faults a step); with steps run in between, under 0.2%.
 Each sample carries its period (ns of CPU time on `cpu-clock`); the sums are per thread, so a
 thread waiting in libgomp is counted for the time it spins.
 """
