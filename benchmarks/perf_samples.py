@@ -83,8 +83,10 @@ class PerfRecorder:
         self.data, self.freq = data, freq
         ctl_r, ctl_w = os.pipe()
         ack_r, ack_w = os.pipe()
-        cmd = [exe, "record", "-q", "-F", str(freq), "-D", "-1", f"--control=fd:{ctl_r},{ack_w}",
-               "-p", str(os.getpid()), "-o", str(data)]  # fmt: skip
+        # --no-buildid-cache: perf otherwise copies every library it sampled into ~/.debug, each
+        # compiled kernel library included (552 MB on the reference machine after a few sessions of profiles)
+        cmd = [exe, "record", "-q", "--no-buildid-cache", "-F", str(freq), "-D", "-1",
+               f"--control=fd:{ctl_r},{ack_w}", "-p", str(os.getpid()), "-o", str(data)]  # fmt: skip
         self.proc = subprocess.Popen(
             cmd, pass_fds=(ctl_r, ack_w), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
         )
