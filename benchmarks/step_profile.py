@@ -126,6 +126,8 @@ def _profile_mode(args, mode: str, perf_data: Path | None) -> dict:
     finally:
         if recorder is not None:
             recorder.finish()  # perf leaves with the steps, whatever happened in them
+    del runner
+    torch._dynamo.reset()
     common = {
         "mode": mode,
         "wall_ms": statistics.median(wall),
@@ -133,17 +135,12 @@ def _profile_mode(args, mode: str, perf_data: Path | None) -> dict:
         "compile_s": compile_s,
     }
     if recorder is not None:
-        del runner
-        torch._dynamo.reset()
-        samples = recorder.stop()
-        return {**common, "perf": rows(samples, os.getpid(), args.steps, args.top)}
+        return {**common, "perf": rows(recorder.stop(), os.getpid(), args.steps, args.top)}
     if args.trace_dir:
         Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(Path(args.trace_dir) / f"step_{mode}.json"))
     summary = summarise(prof, platform.kind == "cuda", args.steps)
     summary.update(common, host=host_events(prof, args.steps))
-    del runner
-    torch._dynamo.reset()
     return summary
 
 
