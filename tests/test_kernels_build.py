@@ -41,6 +41,7 @@ def _any_simd() -> bool:
 KERNELS = {
     "gemv.cpp": (_any_simd, lambda: eager_linear.gemv_runs(torch.float32) and eager_linear.gemv_runs(torch.bfloat16)),
     "rows_linear.cpp": (_any_simd, lambda: packed_linear.kernel_runs(torch.float32)),
+    "packed_call.cpp": (_any_simd, lambda: packed_linear.graph_op(torch.float32).name() == "cann_cpu::packed_call"),
     "amx_linear.cpp": (_build.cpu_has_amx, packed_linear.amx_runs),
     "causal_attention.cpp": (lambda: _build.cpu_has_avx512(torch.bfloat16), eager_attention.kernel_runs),
     "pointwise.cpp": (lambda: True, eager_pointwise.kernel_runs),  # ATen's vector types: any CPU

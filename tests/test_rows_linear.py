@@ -214,10 +214,12 @@ def test_no_compiler_is_one_line_and_onednn_runs_the_call(tmp_path):
         "    y = p.packed_linear(x, w, None)\n"
         "torch.testing.assert_close(y, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-4)\n"
         "print('kept', p._packed.kept(w).dim())\n"
+        "print('graphs call', p.graph_op(torch.float32).name())\n"
     )
     line, stdout = run_without_compiler(tmp_path, code, "packed_linear")
     assert "run on oneDNN instead" in line and "model_config.custom_ops" not in line
-    assert stdout.rstrip().endswith("kept 2")  # oneDNN's packed copy
+    assert "kept 2\n" in stdout  # oneDNN's packed copy
+    assert stdout.rstrip().endswith("graphs call cann_cpu::packed_linear")  # packed_call is in the library
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

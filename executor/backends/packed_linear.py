@@ -32,8 +32,14 @@ graph keeps taking the model's own parameters and the eager prefill keeps using 
 is memory: one more copy of every packed weight (executor.memory counts it).
 
 `pack_batched_linears` is the FX pass (run by executor.backends.inductor on CPU decode graphs
-before Inductor sees them); `cann_cpu::packed_linear` is the op it puts in their place, one
-opaque extern call, so it also sits inside a SuperKernel scope's launch unit.
+before Inductor sees them). The op it puts in their place is one opaque extern call, so it also
+sits inside a SuperKernel scope's launch unit: `cann_cpu::packed_call` where the kernel library is
+built, else `cann_cpu::packed_linear`. packed_linear (below) is Python: it decides the loop and
+finds the packed copy. packed_call (csrc/packed_call.cpp) finds what packed_linear last chose for
+the weight in a C++ table and calls that loop directly, and calls packed_linear only when the
+table has nothing valid (a first call, a weight changed in place, another row count). So a launch
+unit's batched GEMMs no longer call back into Python: 0.975x the SK decoder step's time at batch
+16, 0.98x at batch 4 (bf16; BENCHMARKS.md, "forty-second pass").
 """
 
 from __future__ import annotations
@@ -71,6 +77,9 @@ MAX_KERNEL_ROWS = 16
 MAX_AVX2_KERNEL_ROWS = 64
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 KERNEL_SOURCE = Path(__file__).resolve().parent / "csrc" / "rows_linear.cpp"
+CALL_SOURCE = KERNEL_SOURCE.with_name("packed_call.cpp")  # packed_call, built into the same library
+# packed_remember's `kind`: the loop packed_linear chose (csrc/packed_call.cpp's Kind)
+ROWS, AMX, ONEDNN = 0, 1, 2
 # The AMX loop (csrc/amx_linear.cpp, its own library: built only on a CPU with AMX) takes bf16
 # products of 2 to AMX_MAX_ROWS rows on the same packed layout as the AVX-512 bf16 loop, whole
 # 64-column blocks and K a multiple of its 32-value chunks.
@@ -100,6 +109,9 @@ _lib.define("rows_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")  # k
 _lib.define("rows_supported(ScalarType dtype, int cols) -> bool")
 _lib.define("amx_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")  # kernel: csrc/amx_linear.cpp
 _lib.define("amx_supported() -> bool")
+_lib.define("packed_call(Tensor x, Tensor weight, Tensor? bias) -> Tensor")  # kernel: csrc/packed_call.cpp
+_lib.define("packed_remember(Tensor weight, Tensor packed, int rows, int kind) -> ()")
+_lib.define("packed_call_stats() -> (int, int, int)")
 
 
 @functools.cache
@@ -107,13 +119,18 @@ def _kernel_library() -> bool:
     """Build (once per machine) and load the kernel library, on the first ask (a decode graph's
     compile). A build that cannot happen is said once, not raised: oneDNN then runs every call,
     as before the kernel existed."""
-    return load_optional_kernel(
+    global _remember
+    _remember = load_optional_kernel(
         "cann_cpu::rows_linear",
         "cann_cpu_rows_linear",
-        KERNEL_SOURCE,
+        [KERNEL_SOURCE, CALL_SOURCE],
         "packed_linear",
         "batched decode GEMMs run on oneDNN instead",
     )
+    return _remember
+
+
+_remember = False  # the library is loaded: packed_linear tells packed_call's table what it chose
 
 
 @functools.cache
@@ -222,6 +239,8 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if amx or kernel_fits(weight, rows):
         # one packed copy for both loops: on AMX the AVX-512 bf16 layout, (N/64, K/2, 64, 2)
         packed = _packed.get(weight, lambda: pack_rows(weight, 64 if amx else None), "rows")
+        if _remember and not weight.is_inference():
+            torch.ops.cann_cpu.packed_remember.default(weight, packed, rows, AMX if amx else ROWS)
         if bias is not None and bias.dtype != torch.float32:  # the kernels add it in fp32: convert once
             bias = _packed.get(bias, lambda: bias.detach().float(), "fp32")
         if amx:
@@ -230,6 +249,8 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if not supported(weight.dtype):
         return torch.nn.functional.linear(x, weight, bias)
     packed = _packed.get(weight, lambda: torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows), rows)
+    if _remember and not weight.is_inference():
+        torch.ops.cann_cpu.packed_remember.default(weight, packed, rows, ONEDNN)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -237,6 +258,7 @@ _lib.impl("packed_linear", packed_linear, "CPU")
 
 
 @torch.library.register_fake("cann_cpu::packed_linear")
+@torch.library.register_fake("cann_cpu::packed_call")
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
@@ -255,11 +277,19 @@ def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch
     return x.new_empty((*x.shape[:-1], packed.shape[0] * cols))
 
 
+def graph_op(dtype: torch.dtype):
+    """The op a graph calls for a batched `dtype` linear: packed_call where the kernel library is
+    built here (it holds packed_call), else packed_linear."""
+    if kernel_cols(dtype) and _kernel_library():
+        return torch.ops.cann_cpu.packed_call.default
+    return torch.ops.cann_cpu.packed_linear.default
+
+
 def pack_batched_linears(gm: torch.fx.GraphModule) -> int:
     """Replace every `linear` with more than one input row and a weight of at least
-    MIN_WEIGHT_NUMEL elements by `cann_cpu::packed_linear`. Single-row linears are left to the
-    GEMV lowering. Returns how many were replaced: those oneDNN runs natively, and those the
-    kernel takes (bf16 on an AVX2 CPU, where oneDNN emulates it, only up to max_kernel_rows)."""
+    MIN_WEIGHT_NUMEL elements by `graph_op` (packed_call or packed_linear). Single-row linears are
+    left to the GEMV lowering. Returns how many were replaced: those oneDNN runs natively, and those
+    the kernel takes (bf16 on an AVX2 CPU, where oneDNN emulates it, only up to max_kernel_rows)."""
     replaced = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not torch._C._nn.linear:
@@ -274,7 +304,7 @@ def pack_batched_linears(gm: torch.fx.GraphModule) -> int:
             continue
         if not supported(weight.dtype) and not kernel_fits(weight, rows):
             continue
-        call_instead(gm, node, torch.ops.cann_cpu.packed_linear.default)
+        call_instead(gm, node, graph_op(weight.dtype))
         replaced += 1
     gm.recompile()
     return replaced

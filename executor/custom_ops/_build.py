@@ -266,13 +266,13 @@ def cpu_has_avx2() -> bool:
     return torch.cpu._is_avx2_supported()
 
 
-def load_optional_kernel(op: str, library: str, source: Path, tag: str, instead: str) -> bool:
+def load_optional_kernel(op: str, library: str, source: Path | list[Path], tag: str, instead: str) -> bool:
     """Build (once per machine) and load a backend's own kernel, one that is a speed choice and not
-    something the user asked for (executor/backends/csrc/). A build that cannot happen is said in
-    one line, `[tag] <why>; <instead>`, not raised, and False is returned: the caller then runs
-    what it ran before the kernel existed."""
+    something the user asked for (executor/backends/csrc/; `source`: its file, or its files). A build
+    that cannot happen is said in one line, `[tag] <why>; <instead>`, not raised, and False is
+    returned: the caller then runs what it ran before the kernel existed."""
     try:
-        load_kernel(op, library, [str(source)], remedy="")
+        load_kernel(op, library, [str(s) for s in (source if isinstance(source, list) else [source])], remedy="")
     except KernelBuildError as exc:
         print(f"[{tag}] {exc}; {instead}", flush=True)
         return False
