@@ -38,8 +38,8 @@ built, else `cann_cpu::packed_linear`. packed_linear (below) is Python: it decid
 finds the packed copy. packed_call (csrc/packed_call.cpp) finds what packed_linear last chose for
 the weight in a C++ table and calls that loop directly, and calls packed_linear only when the
 table has nothing valid (a first call, a weight changed in place, another row count). So a launch
-unit's batched GEMMs no longer call back into Python: 0.975x the SK decoder step's time at batch
-16, 0.98x at batch 4 (bf16; BENCHMARKS.md, "forty-second pass").
+unit's batched GEMMs no longer call back into Python: the SK decoder step took 0.975x the time at
+bf16 batch 16, 0.94x at batch 4 and 0.95x at fp32 batch 16 (BENCHMARKS.md, "forty-second pass").
 """
 
 from __future__ import annotations
