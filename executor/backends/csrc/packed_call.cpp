@@ -49,7 +49,7 @@ std::atomic<int64_t> hits{0}, misses{0};
 using LinearFn = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&);
 
 const c10::OperatorHandle& op(const char* name) {
-  // handles live as long as the op's registration: found per call is ~0.3 us, kept here
+  // each name looked up once: a handle lives as long as its op's registration
   static std::mutex found_mutex;
   static std::unordered_map<std::string, c10::OperatorHandle> found;
   std::lock_guard<std::mutex> lock(found_mutex);
