@@ -42,18 +42,18 @@ def reference(x, w, b=None):
     return torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
 
 
-def runs(dtype: torch.dtype) -> bool:
-    return packed_linear.supported(dtype) or packed_linear.kernel_runs(dtype)
+def weight_and_rows(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 256 x 128 weight and 4 rows of x in `dtype` (skips where nothing here runs the dtype)."""
+    if not (packed_linear.supported(dtype) or packed_linear.kernel_runs(dtype)):
+        pytest.skip(f"neither oneDNN (natively) nor the kernel runs {dtype} here")
+    torch.manual_seed(seed)
+    return (torch.randn(256, 128) * 0.1).to(dtype), torch.randn(4, 128).to(dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_repeat_calls_are_served_from_the_table_with_packed_linears_result(dtype):
-    if not runs(dtype):
-        pytest.skip(f"neither oneDNN (natively) nor the kernel runs {dtype} here")
-    torch.manual_seed(0)
-    w = (torch.randn(256, 128) * 0.1).to(dtype)
+    w, x = weight_and_rows(dtype, 0)
     b = torch.randn(256).to(dtype)  # bf16: the loop converts it to fp32 itself
-    x = torch.randn(4, 128).to(dtype)
     first, counted = call(x, w, b)
     assert counted == (0, 1)  # nothing remembered yet: packed_linear decides, packs and remembers
     for _ in range(2):
@@ -67,11 +67,7 @@ def test_repeat_calls_are_served_from_the_table_with_packed_linears_result(dtype
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_a_weight_changed_in_place_or_another_row_count_goes_back_to_packed_linear(dtype):
     """A stale packed copy would give the old product (off by x's row sums here)."""
-    if not runs(dtype):
-        pytest.skip(f"neither oneDNN (natively) nor the kernel runs {dtype} here")
-    torch.manual_seed(1)
-    w = (torch.randn(256, 128) * 0.1).to(dtype)
-    x = torch.randn(4, 128).to(dtype)
+    w, x = weight_and_rows(dtype, 1)
     call(x, w)
     call(x, w)
     w.add_(1.0)
