@@ -97,7 +97,8 @@ at::Tensor packed_call(const at::Tensor& x, const at::Tensor& weight, const c10:
   // oneDNN on its packed weight, as packed_linear calls it: _linear_pointwise(x, w, b, "none", [], "")
   torch::jit::Stack stack{x, packed, bias, c10::IValue("none"), c10::IValue(c10::List<c10::optional<at::Scalar>>()),
                           c10::IValue(std::string())};
-  op("mkldnn::_linear_pointwise").callBoxed(stack);
+  static const c10::OperatorHandle& onednn = op("mkldnn::_linear_pointwise");
+  onednn.callBoxed(stack);
   return stack.back().toTensor();
 }
 
