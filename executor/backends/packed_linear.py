@@ -66,14 +66,17 @@ MIN_WEIGHT_NUMEL = 1 << 20
 # 0.86x / 0.91x at batch 16, but to 1.09x / 1.00x at batch 64, although alone it out-ran (bf16)
 # or matched (fp32) oneDNN there; bf16 at 32 rows gave 0.96x, inside its rounds' spread
 # (0.88-1.09). With the prefetch of the tenth pass bf16 batch 64 gave 0.96x (rounds 0.94-1.45).
-# So the cap stays where the gain is clear (BENCHMARKS.md, "eighth" to "tenth pass"). A single
-# row stays with the GEMV lowering: the kernel there made the bf16 batch-1 step 1.10x slower
-# (likely the Python dispatch of 113 calls per step; not measured apart).
+# So the cap stayed at 16 (BENCHMARKS.md, "eighth" to "tenth pass"). Since the graphs call the
+# kernel without Python (packed_call), it wins past 16 rows too (same method, 7 rounds): 0.95x
+# the ge_graph step at bf16 batch 64, 0.97x SK decoder's, 0.95x at fp32 batch 64 and 0.93x at
+# bf16 batch 32 (BENCHMARKS.md, "forty-third pass"). So the cap is the largest batch measured. A
+# single row stays with the GEMV lowering: the kernel there made the bf16 batch-1 step 1.10x
+# slower (likely the Python dispatch of 113 calls per step; not measured apart).
 # The AVX2 loop beat the alternative at every batch measured on an AVX2-only host (same method):
 # the fp32 step took 0.79x, 0.59x and 0.82x of oneDNN's at batch 4, 16 and 64; the bf16 step
 # 0.27x, 0.17x and 0.16x of aten's emulated linear's (BENCHMARKS.md, "eighteenth pass"). So its
 # cap is the largest batch measured.
-MAX_KERNEL_ROWS = 16
+MAX_KERNEL_ROWS = 64
 MAX_AVX2_KERNEL_ROWS = 64
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 KERNEL_SOURCE = Path(__file__).resolve().parent / "csrc" / "rows_linear.cpp"
