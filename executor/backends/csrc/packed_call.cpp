@@ -7,8 +7,8 @@
 // SuperKernel launch unit is one C++ function, yet it called back into Python 113 times a
 // Qwen3-0.6B step for that. With the lookup in C++ the SK decoder step took 0.975x the time at
 // batch 16 and 0.94x at batch 4 in bf16, 0.95x at batch 16 in fp32 (one process, alternating, 9-15
-// rounds); batch 64 (oneDNN) and ge_graph, whose Python wrapper calls the op either way, read
-// level (BENCHMARKS.md, "forty-second pass").
+// rounds); batch 64 (then on oneDNN) and ge_graph, whose Python wrapper calls the op either way,
+// read level (BENCHMARKS.md, "forty-second pass").
 //
 // How: packed_linear (Python) stays the one place that decides and packs, and owns the packed
 // copies (executor.memo: dropped with the weight, remade after an in-place change). Each time it
