@@ -18,27 +18,31 @@ each try that lost. On an idle host the waiting share stays near zero (the main 
 thread and step (about 1 us each).
 
 The counts tried halve from the process's intra-op thread count down to 1. A try at fewer threads
-needs at least three recent steps whose threads waited 5% of the time or more and 1 ms per step on
-average, which an idle host does not show. What a try costs depends on the step. An eager step, and
-a large model's compiled step (its kernels read the count when they run and Dynamo does not guard
-it: executor.backends.inductor.CPU_KERNELS), run at a new count as they are. A small model's
-compiled step has the count compiled in and Dynamo guards on it, so its first step at a new count
-compiles it again (seconds; once per process and count). That step is logged and is not a sample,
-and a try at such a count also waits, unless the waiting is heavy (a quarter of the time over a full
-window of steps: a neighbour holding a core, which made 0.6B steps 2.8-4.8x slower), until the
-waiting since the last change adds up to what the step's first compile took (rent until the rent
-would have paid for the purchase): 2.5 ms of waiting per 50 ms step (a bf16 batch sweep on a VM
-with short bursts of kernel work) was not worth a 56 s recompile, which that sweep paid three times
-before this rule (before a large model's kernels read the count). Nor is it made, however heavy the
-waiting, when the steps left in the generate call take less time in all than that compile: fewer
-threads cannot save more than all of them (`bash infer.sh`, 31 steps of ~1 ms on a host busy for a
-moment, once paid a 21.7 s recompile for 1 thread and then went back to 2). The window starts empty
-in each generate call, so calls shorter than it only ever try once the waiting has paid. The step
-that compiles is reported by `observe`, so that the runner leaves it out of the decode averages and
-the throughput, as it leaves out the warm-up's compile. Off with several ranks (every rank must
-compute replicated values in the same order) and off the CPU (host threads there only launch
-kernels). Each decode step's thread count is returned with its time, and metrics.json says whether
-the governor was on, why not, and every change it made.
+needs at least three recent steps whose threads each waited 5% of the step's time or more and 1 ms,
+and as much on average over the recent steps, which an idle host does not show. Counting the steps
+keeps a burst of one or two steps out: on an idle VM two steps once waited 4 and 12 ms while the
+host's own kernel work ran (BENCHMARKS.md, "forty-third pass"), which passed the average over three
+steps and cost a 3-step try on one thread; a neighbour that matters makes every step wait.
+
+What a try costs depends on the step. An eager step, and a large model's compiled step (its kernels
+read the count when they run and Dynamo does not guard it: executor.backends.inductor.CPU_KERNELS),
+run at a new count as they are. A small model's compiled step has the count compiled in and Dynamo
+guards on it, so its first step at a new count compiles it again (seconds; once per process and
+count). That step is logged and is not a sample, and a try at such a count also waits, unless the
+waiting is heavy (a quarter of the time over a full window of steps: a neighbour holding a core,
+which made 0.6B steps 2.8-4.8x slower), until the waiting since the last change adds up to what the
+step's first compile took (rent until the rent would have paid for the purchase): 2.5 ms of waiting
+per 50 ms step (a bf16 batch sweep on a VM with short bursts of kernel work) was not worth a 56 s
+recompile, which that sweep paid three times before this rule (before a large model's kernels read
+the count). Nor is it made, however heavy the waiting, when the steps left in the generate call take
+less time in all than that compile: fewer threads cannot save more than all of them (`bash
+infer.sh`, 31 steps of ~1 ms on a host busy for a moment, once paid a 21.7 s recompile for 1 thread
+and then went back to 2). The window starts empty in each generate call, so calls shorter than it
+only ever try once the waiting has paid. The step that compiles is reported by `observe`, so that
+the runner leaves it out of the decode averages and the throughput, as it leaves out the warm-up's
+compile. Off with several ranks (every rank must compute replicated values in the same order) and
+off the CPU (host threads there only launch kernels). Each decode step's thread count is returned
+with its time, and metrics.json says whether the governor was on, why not, and every change it made.
 A step too small to share (TINY_MACS: rows x weights, a debug model's batch-1 step) runs on one
 thread from its first call, with nothing tried: there one thread was as fast idle, and the count is
 compiled into its kernels, so the governor could not move it under load without a compile.
@@ -65,6 +69,7 @@ CONTENDED = 0.05  # waiting share that starts a try at fewer threads; an idle ho
 # 5% (`bash infer.sh`, 0.6 ms steps right after a test suite exited: 4 steps moved to one thread
 # for a 14 s recompile). A neighbour that matters costs ms per step (fifth pass: up to 3 s).
 MIN_WAIT_MS = 1.0
+BUSY_STEPS = 3  # ... and the recent steps that each waited that much (share and ms): a burst is not a busy host
 # ... at this share over a full WINDOW a try at a count not compiled yet does not wait for the
 # waiting to pay for the compile: load_bench's late neighbour made the 0.6B steps 2.8-4.8x slower.
 HEAVY = 0.25
@@ -226,7 +231,8 @@ class ThreadGovernor:
             return True
         waited = sum(w for _, w in self.window)
         share = waited / max(sum(m for m, _ in self.window), 1e-9)
-        contended = share >= CONTENDED and waited >= MIN_WAIT_MS * len(self.window)
+        waiting = sum(w >= CONTENDED * m and w >= MIN_WAIT_MS for m, w in self.window)  # steps that waited
+        contended = share >= CONTENDED and waited >= MIN_WAIT_MS * len(self.window) and waiting >= BUSY_STEPS
         heavy = share >= HEAVY and len(self.window) >= WINDOW
         if contended and self.level + 1 < len(self.levels) and self._may("down") and self._worth(step, heavy):
             self._try(self.level + 1)

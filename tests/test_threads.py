@@ -56,6 +56,18 @@ def test_scheduler_blips_on_short_steps_are_not_a_busy_host(governor):
     assert feed(governor, [(20.0, 2.0)] * 5)[-1] == 1
 
 
+def test_a_burst_of_one_or_two_waiting_steps_is_not_a_busy_host(governor):
+    # an idle VM once made two 35 ms steps wait 4 and 12 ms (its own kernel work): over three steps
+    # that is 15% and 5 ms a step on average, but only two steps waited; bursts of two, a window apart
+    governor.compiled.add(("step", 1))  # a try would cost nothing: only the waiting holds it back
+    quiet, burst = [(35.0, 0.0)] * th.WINDOW, [(35.0, 4.0), (35.0, 12.0)]
+    ran = feed(governor, [(35.0, 0.0), *(burst + quiet) * 5])
+    assert set(ran) == {2} and governor.changes == [] and governor.trying is None
+    # a third such step within the window is
+    ran = feed(governor, [(35.0, 0.0), *burst, (35.0, 0.0), (35.0, 4.0), (20.0, 0.0)])
+    assert ran == [2] * 5 + [1]
+
+
 def test_waiting_for_a_core_moves_to_fewer_threads_when_they_are_not_slower(governor):
     # the first step at a count compiles (not a sample); three steps that waited half their time
     # -> a try on 1 thread: its first step compiles again, then three samples
