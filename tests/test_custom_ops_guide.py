@@ -74,6 +74,8 @@ def small(command: str, ckpt: Path, work: Path, index: int) -> list[str]:
             f"model_config.model_path={ckpt}",
             "--json",
             str(work / f"run{index}.json"),
+            "--dump-dir",  # not the default temporary directory, which the tool leaves for the user to read
+            str(work / f"dumps{index}"),
         ]
     raise AssertionError(f"the guide has a command this test does not know how to run: {command}")
 
