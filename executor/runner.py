@@ -312,7 +312,7 @@ class ModelRunner:
             out, step_ms, logits = [token], [], pre.logits
             pos = pre.lengths.view(b, 1).clone()
             step_threads, compile_steps = [], []
-            macs = b * sum(p.numel() for p in self.model.parameters())  # a tiny step runs on one thread
+            macs = b * self.arch.weight_bytes(1)  # rows x weights a token multiplies (MoE: k experts): tiny -> 1 thread
             decoding = self.threads.decoding((self.step_key, b), max_new_tokens - 1, self.step.compiles, macs)
             with decoding as threads:
                 for i in range(max_new_tokens - 1):

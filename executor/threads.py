@@ -43,9 +43,10 @@ the runner leaves it out of the decode averages and the throughput, as it leaves
 compile. Off with several ranks (every rank must compute replicated values in the same order) and
 off the CPU (host threads there only launch kernels). Each decode step's thread count is returned
 with its time, and metrics.json says whether the governor was on, why not, and every change it made.
-A step too small to share (TINY_MACS: rows x weights, a debug model's batch-1 step) runs on one
-thread from its first call, with nothing tried: there one thread was as fast idle, and the count is
-compiled into its kernels, so the governor could not move it under load without a compile.
+A step too small to share (TINY_MACS: rows x the weights a token multiplies, an MoE layer's k
+experts only; a debug model's batch-1 step) runs on one thread from its first call, with nothing
+tried: there one thread was as fast idle, and the count is compiled into its kernels, so the
+governor could not move it under load without a compile.
 `CANN_RECIPES_ADAPTIVE_THREADS=0` turns all of this off.
 """
 
@@ -81,8 +82,9 @@ FIRST_WAIT = {"down": 3, "up": 8}  # steps between tries in each direction, doub
 LAST_WAIT = 1024  # ... up to this
 BUSY_UP = 8  # while the waiting lasts, tries at more threads wait this many times longer
 BUDGET = 20  # and a try waits for at least 20x the time the last lost try cost: tries cost <= 5%
-# A decode step of at most this many multiply-adds (rows x the model's weights) runs on one thread,
-# whatever the host: it is launch overhead, not arithmetic, and a second thread only adds barriers.
+# A decode step of at most this many multiply-adds (rows x the weights a token multiplies; of an MoE
+# layer's experts, the k it is routed to) runs on one thread, whatever the host: it is launch
+# overhead, not arithmetic, and a second thread only adds barriers.
 # bench-overhead (2.1M weights, count compiled in; BENCHMARKS.md, "thirty-seventh pass"), idle, 1
 # thread against 2 (alternating rounds): ge_graph 0.95-1.13 and SK decoder 0.83-1.11 at 1-4 rows
 # over four A/Bs, but 1.43 and 1.35 at 16 rows (33.6M); next to a late neighbour its 2-thread

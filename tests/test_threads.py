@@ -319,3 +319,32 @@ def test_a_tiny_models_run_decodes_on_one_thread(make_qwen_runner, qwen3_ckpt):
         assert fewer_threads(metrics) is None
     finally:
         torch.set_num_threads(before)
+
+
+def test_an_moe_step_is_sized_by_the_experts_its_tokens_run(tmp_path, monkeypatch):
+    """TINY_MACS counts rows x the weights a token multiplies: of an MoE layer only the k experts it
+    is routed to (ModelArch.weight_bytes), not every expert the model holds."""
+    from executor.config import load_config
+    from executor.platform import detect
+    from executor.registry import default_config, runner_class
+    from tests.tool_fixtures import TINY_MOE, tiny_model
+
+    sets = [f"model_config.model_path={tiny_model(tmp_path / 'moe', TINY_MOE)}", "model_config.with_ckpt=false"]
+    sets += ["scheduler_config.max_new_tokens=3", "data_config.input_truncated_len=8"]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runner = runner_class("qwen3_moe")(load_config(default_config("qwen3_moe"), sets), detect("cpu"))
+        rows, routed = 2, runner.arch.weight_bytes(1)
+        held = sum(p.numel() for p in runner.model.parameters())
+        assert held > 1.5 * routed  # 4 experts held, 2 run per token: a count of every weight would be well over
+        monkeypatch.setattr(th, "TINY_MACS", rows * routed)
+        runner.threads = ThreadGovernor(2, True, "test", log=runner.log)
+        runner.stream = io.StringIO()
+        gen = runner.generate([[5, 6, 7, 8], [9, 10, 11, 12]], 3)
+        assert gen.decode_threads == [1, 1] and runner.threads.pinned
+        assert f"a step of {rows * routed / 1e6:.1f}M multiply-adds" in runner.stream.getvalue()
+        monkeypatch.setattr(th, "TINY_MACS", rows * routed - 1)  # one less: governed, on 2 threads
+        assert runner.generate([[5, 6, 7, 8], [9, 10, 11, 12]], 3).decode_threads == [2, 2]
+    finally:
+        torch.set_num_threads(before)
