@@ -14,7 +14,8 @@ threads while its threads wait for a core.
   python benchmarks/load_bench.py --size qwen3-0.6b --dtype bfloat16 --batch 4 --policies "gomp default" --governor on
 
 Prints, per policy, governor and mode: median and p90 decode ms/step idle and under load, the
-loaded/idle ratio, how many steps ran on fewer threads, and SK decoder against ge_graph
+loaded/idle ratio, how many steps ran on fewer threads, whether the greedy tokens were ours eager's
+(its idle run; built for this where eager is not among the modes), and SK decoder against ge_graph
 under load (the median of the rounds' ratios: the modes take turns, --rounds calls each). The
 neighbour starts after the measured process (a "late neighbour"), as on a shared host where other
 work arrives mid-run. The project's default is the `gomp default` policy with the governor on for a
@@ -53,7 +54,7 @@ def child(args) -> int:
     started the neighbour) under load. Talks to the parent over stdin/stdout."""
     import torch
 
-    from benchmarks.decode_bench import make_checkpoint
+    from benchmarks.decode_bench import make_checkpoint, token_check
     from executor.arch import named_size
     from executor.config import PLANS, ConfigError, load_config
     from executor.platform import detect
@@ -68,7 +69,8 @@ def child(args) -> int:
         make_checkpoint(cfg, path, seed=0)
     prompt = [[(7 * i + 3 + 11 * r) % cfg["vocab_size"] for i in range(16)] for r in range(args.batch)]
     runners = {}
-    for mode in args.modes.split(","):
+    modes = args.modes.split(",")
+    for mode in modes if "eager" in modes else ["eager", *modes]:  # ours eager: the tokens' reference
         plan = None if mode in ("eager", "ge_graph") else mode
         sets = [
             f"model_config.model_path={path}",
@@ -86,6 +88,11 @@ def child(args) -> int:
         runner = runner_class("qwen")(load_config(default_config("qwen"), sets), detect("cpu"), None, io.StringIO())
         runner.generate(prompt, 2)  # compile
         runners[mode] = runner
+    # Every row says whether its greedy tokens are ours eager's on an idle host (a mode under load
+    # can run on fewer threads, another compiled step; the tests hold it to the same tokens).
+    reference = runners["eager"].generate(prompt, args.steps + 1).token_ids
+    if "eager" not in modes:
+        del runners["eager"]
     result = {"threads": torch.get_num_threads(), "env": {k: os.environ.get(k, "") for k in ENV_KEYS}}
     for phase in ("idle", "loaded"):
         print(f"ready {phase}", flush=True)
@@ -106,6 +113,8 @@ def child(args) -> int:
                 "fewer_threads": sum(n < result["threads"] for gen in calls for n in gen.decode_threads),
                 "tiny": runners[mode].threads.pinned,  # one thread by design (executor/threads.py, TINY_MACS)
                 "round_medians": [statistics.median(gen.decode_ms) for gen in calls],
+                # every call's rows against the reference: the first step any of them departs
+                "tokens": token_check([row for gen in calls for row in gen.token_ids], reference * len(calls)),
             }
     print("result " + json.dumps(result), flush=True)
     return 0
@@ -203,15 +212,16 @@ def main(argv=None) -> int:
                 rows.append((name, gov, r))
     print(
         "\n| OMP wait policy | governor | mode | idle median ms | idle p90 | loaded median ms | loaded p90 "
-        "| loaded / idle | steps on fewer threads, idle / loaded |"
+        "| loaded / idle | steps on fewer threads, idle / loaded | greedy tokens vs ours eager (idle), idle / loaded |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, gov, r in rows:
         for m in modes:
             i, ld = r[f"{m}/idle"], r[f"{m}/loaded"]
             print(
                 f"| {name} | {gov} | {m} | {i['median']:.3f} | {i['p90']:.3f} | {ld['median']:.3f} | {ld['p90']:.3f} | "
-                f"{ld['median'] / i['median']:.1f}x | {_fewer(i, ld, args.steps * args.rounds)} |"
+                f"{ld['median'] / i['median']:.1f}x | {_fewer(i, ld, args.steps * args.rounds)} | "
+                f"{i['tokens']} / {ld['tokens']} |"
             )
     if "ge_graph" in modes and "decoder" in modes:
         print()

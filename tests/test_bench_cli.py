@@ -1,6 +1,7 @@
 """The benchmarks' command lines: a bad value is one line naming the option (exit 2), never a
 traceback. Each main() runs in this process and stops at its argument check, so nothing is
 measured; load_bench's parent starts its measured process, which does the check and says why.
+One small real load_bench run checks what its table says of the tokens.
 """
 
 from __future__ import annotations
@@ -74,6 +75,23 @@ def test_load_bench_says_what_its_measured_process_refused(argv, said):
     )  # fmt: skip
     assert proc.returncode == 2 and f"error: {said}" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "the measured process exited with 2" in proc.stderr
+
+
+def test_load_bench_says_whether_each_rows_tokens_are_ours_eagers():
+    """A small real run (the built-in model's size, ge_graph alone, 3 steps, one round, a 1-thread
+    neighbour): the reference is an eager runner built for it, and the row names how the tokens of
+    its idle and its loaded calls compare."""
+    argv = ["--size", "debugmodel", "--modes", "ge_graph", "--steps", "3", "--rounds", "1"]
+    argv += ["--policies", "gomp default", "--governor", "on", "--neighbour-threads", "1"]
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/load_bench.py", *argv], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("| OMP wait policy"))
+    assert header.endswith("| greedy tokens vs ours eager (idle), idle / loaded |")
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| gomp default | on |")]
+    assert len(rows) == 1 and rows[0].startswith("| gomp default | on | ge_graph |")
+    assert rows[0].endswith("| same tokens / same tokens |")
 
 
 SIZED = (decode_bench, prefill_bench, attention_bench, step_profile)
