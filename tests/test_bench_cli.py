@@ -78,7 +78,7 @@ def test_load_bench_says_what_its_measured_process_refused(argv, said):
 
 
 def test_load_bench_says_whether_each_rows_tokens_are_ours_eagers():
-    """A small real run (the built-in model's size, ge_graph alone, 3 steps, one round, a 1-thread
+    """A small real run (the debugmodel size, ge_graph alone, 3 steps, one round, a 1-thread
     neighbour): the reference is an eager runner built for it, and the row names how the tokens of
     its idle and its loaded calls compare."""
     argv = ["--size", "debugmodel", "--modes", "ge_graph", "--steps", "3", "--rounds", "1"]
