@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from executor.backends import greedy
 from tests.fresh_python import run_as_capability
@@ -81,6 +82,34 @@ def test_next_tokens_uses_the_kernel_on_large_logits_and_argmax_elsewhere(kernel
     assert torch.equal(greedy.next_tokens(columns), columns.argmax(-1, keepdim=True))
     half = torch.randn(8, greedy.MIN_ELEMENTS // 8).half()
     assert torch.equal(greedy.next_tokens(half), half.argmax(-1, keepdim=True))
+
+
+class _Ops(TorchDispatchMode):
+    """Records the ops a call runs (a real dispatch mode: every op still runs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def ops_of(logits: torch.Tensor) -> list[str]:
+    with _Ops() as ops:
+        tokens = greedy.next_tokens(logits)
+    assert torch.equal(tokens, logits.argmax(-1, keepdim=True))
+    return ops.names
+
+
+def test_one_row_of_qwens_vocabulary_takes_the_kernel_the_built_in_models_logits_do_not(kernel):
+    """At batch 1 aten's argmax over 151936 fp32 logits took 131 us, the kernel 20 (BENCHMARKS.md,
+    "forty-fifth pass"); the built-in model's logits (vocabulary 512) stay on argmax even at batch
+    64, so a run of it never builds the kernel."""
+    torch.manual_seed(4)
+    assert ops_of(torch.randn(1, 151936)) == ["cann_cpu.greedy_tokens.default"]
+    assert ops_of(torch.randn(64, 512)) == ["aten.argmax.default"]
 
 
 def test_without_a_compiler_the_tokens_come_from_argmax(tmp_path):

@@ -9,9 +9,9 @@ values; the first NaN, which the runner never reaches because it stops on non-fi
 from two vector passes over each row: 0.2 ms per token at batch 16 in the same loop
 (BENCHMARKS.md, "fifteenth pass").
 
-Logits under MIN_ELEMENTS, and anything else the kernel does not take (another device or dtype,
-rows that are not contiguous, no compiler to build it; the last said once), run torch.argmax,
-which returns the same tokens.
+Logits under MIN_ELEMENTS (fewer than one row of a real vocabulary), and anything else the
+kernel does not take (another device or dtype, rows that are not contiguous, no compiler to
+build it; the last said once), run torch.argmax, which returns the same tokens.
 """
 
 from __future__ import annotations
@@ -25,9 +25,12 @@ from executor.custom_ops._build import load_optional_kernel
 
 KERNEL_SOURCE = Path(__file__).resolve().parent / "csrc" / "greedy.cpp"
 DTYPES = (torch.float32, torch.bfloat16)
-# Below this many logits argmax costs under ~0.5 ms (7 rows of Qwen3's vocabulary), and a run
-# whose logits stay below it (the small built-in model's, vocabulary 512) never builds the kernel.
-MIN_ELEMENTS = 1 << 20
+# One row of a real vocabulary is enough: at one and four rows of Qwen3's 151936 logits argmax
+# took 131 and 261 us a call against the kernel's 20 and 32 (fp32, medians of 7 x 50 calls; the
+# threshold had been 2^20 logits, which left batches 1-6 on argmax: ~1% of a bf16 batch-4 token).
+# A run whose logits stay below it (the small built-in model's, vocabulary 512) never builds the
+# kernel (BENCHMARKS.md, "forty-fifth pass").
+MIN_ELEMENTS = 1 << 17
 
 _lib = torch.library.Library("cann_cpu", "FRAGMENT")  # the namespace is defined by packed_linear
 _lib.define("greedy_tokens(Tensor logits) -> Tensor")  # (B, V) -> (B, 1) int64
