@@ -88,6 +88,34 @@ def test_kernel_matches_fp32_linear_for_every_tile_size(dtype, cols, rows, bias)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_every_block_runs_once_whatever_the_threads(dtype):
+    """The AVX-512 loop hands each thread a share of the 64-column blocks and lets a thread that is
+    done take the last blocks of another's share. A block's sums do not depend on the thread that
+    runs it, so every thread count must give the one-thread result bit for bit: a block skipped
+    would leave the output's uninitialised memory, one run twice or by two threads at once could
+    not. More threads than cores (5 on the 2-core reference machine) makes some wait for a core,
+    so shares are taken over; block counts below, at and above the thread count."""
+    if not loop_runs(dtype, 64):
+        pytest.skip("this CPU does not run the 64-column loop")
+    before = torch.get_num_threads()
+    torch.manual_seed(5)
+    try:
+        for blocks in (1, 2, 3, 5, 9, 40):
+            w = packed_linear.pack_rows((torch.randn(64 * blocks, 96) * 0.1).to(dtype), 64)
+            for rows in (2, 7, 16):
+                x = torch.randn(rows, 96).to(dtype)
+                torch.set_num_threads(1)
+                alone = torch.ops.cann_cpu.rows_linear(x, w, None)
+                for threads in (2, 3, 5):
+                    torch.set_num_threads(threads)
+                    for _ in range(20):
+                        got = torch.ops.cann_cpu.rows_linear(x, w, None)
+                        assert torch.equal(got, alone), (blocks, rows, threads)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_kernel_takes_strided_and_batched_rows(dtype):
     torch.manual_seed(0)
     w = (torch.randn(128, 64) * 0.1).to(dtype)
