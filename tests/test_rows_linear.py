@@ -91,10 +91,10 @@ def test_kernel_matches_fp32_linear_for_every_tile_size(dtype, cols, rows, bias)
 def test_every_block_runs_once_whatever_the_threads(dtype):
     """The AVX-512 loop hands each thread a share of the 64-column blocks and lets a thread that is
     done take the last blocks of another's share. A block's sums do not depend on the thread that
-    runs it, so every thread count must give the one-thread result bit for bit: a block skipped
-    would leave the output's uninitialised memory, one run twice or by two threads at once could
-    not. More threads than cores (5 on the 2-core reference machine) makes some wait for a core,
-    so shares are taken over; block counts below, at and above the thread count."""
+    runs it, so every thread count must give the one-thread result bit for bit; a block that no
+    thread runs leaves the output's uninitialised memory there. More threads than cores (5 on the
+    2-core reference machine) makes some wait for a core, so shares are taken over; block counts
+    below, at and above the thread count."""
     if not loop_runs(dtype, 64):
         pytest.skip("this CPU does not run the 64-column loop")
     before = torch.get_num_threads()

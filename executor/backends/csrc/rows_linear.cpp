@@ -183,8 +183,8 @@ void leftovers_for(int64_t n, const F& body) {
   });
 }
 
-// Every 64-column block (in parallel, leftovers_for) times every tile of rows. `kstep` is the packed weight's k
-// extent per block (K/2 pairs in bf16, K in fp32), 256 bytes (4 cache lines) per step.
+// Every 64-column block (in parallel, leftovers_for) times every tile of rows. `kstep` is the packed
+// weight's k extent per block (K/2 pairs in bf16, K in fp32), 256 bytes (4 cache lines) per step.
 //
 // With more than kRows rows a block is run by several tiles, of balanced sizes (16 rows: 6 + 5 + 5,
 // not 6 + 6 + 4). The first tile reads the block from memory, the others from L2; alone, that left
