@@ -432,7 +432,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-compiled-peer", action="store_true", help="skip transformers static cache + torch.compile")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where every side runs (default cpu)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
-    p.add_argument("--plot", help="PNG of tokens/s per batch size and mode, with the roofline")
+    p.add_argument("--plot", help="PNG: tokens/s per batch and mode, and each mode's x roofline")
     p.add_argument("--world-size", type=int, default=1, help="ranks (torchrun); > 1 skips the transformers peers")
     p.add_argument("--layout", choices=list(LAYOUTS), default="tp", help="with --world-size > 1 (default: tp)")
     p.add_argument("--checkpoint", help=argparse.SUPPRESS)  # set by the launching process for its ranks
@@ -665,7 +665,8 @@ def print_batch_summary(summary: dict[int, tuple[list[Row], float]]) -> None:
 
 
 def plot(path: Path, summary: dict[int, tuple[list[Row], float]], title: str) -> None:
-    """tokens/s against batch size per mode (log-log), the roofline dashed."""
+    """tokens/s against batch size per mode (log-log), the roofline dashed; beside it each mode's
+    x roofline (figure)."""
     fig = figure(summary, title)
     fig.savefig(path, dpi=100)
     import matplotlib.pyplot as plt  # after figure(), which chose the Agg backend
@@ -675,22 +676,39 @@ def plot(path: Path, summary: dict[int, tuple[list[Row], float]], title: str) ->
 
 def figure(summary: dict[int, tuple[list[Row], float]], title: str):
     """The plot's figure, batches in increasing order whatever order --batch gave them in, each
-    batch labelled once: a log axis also labels its minor ticks, which printed "6x10^4" over "64"."""
+    batch labelled once: a log axis also labels its minor ticks, which printed "6x10^4" over "64".
+
+    Left, tokens/s with the roofline at the start's readings; right, each mode's step over its own
+    roofline (the table's "x roofline", hollow where the machine's rates moved by more than 15%).
+    The right panel is the one to read against a target: the memory's rate can move 2x between the
+    start and a mode's steps on a shared VM, and the left panel's line does not follow it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     batches = sorted(summary)
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, (ax, rx) = plt.subplots(1, 2, figsize=(13, 5))
     for n in [r.name for r in summary[batches[0]][0]]:
-        ax.plot(batches, [b * 1e3 / next(r for r in summary[b][0] if r.name == n).ms for b in batches], "o-", label=n)
+        rows = [next(r for r in summary[b][0] if r.name == n) for b in batches]
+        (line,) = ax.plot(batches, [b * 1e3 / r.ms for b, r in zip(batches, rows)], "o-", label=n)
+        timed = [(b, r) for b, r in zip(batches, rows) if r.roof_ms > 0]
+        xs, ys = [b for b, _ in timed], [r.ms / r.roof_ms for _, r in timed]
+        rx.plot(xs, ys, "-", color=line.get_color(), label=n)
+        for b, r in timed:
+            face = "none" if r.unsteady() else line.get_color()
+            rx.plot([b], [r.ms / r.roof_ms], "o", color=line.get_color(), markerfacecolor=face)
     ax.plot(batches, [b * 1e3 / summary[b][1] for b in batches], "k--", label="roofline (the start's readings)")
     ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="decode tokens/s", title=title)
-    ax.set_xticks(batches, [str(b) for b in batches])
-    ax.set_xticks([], minor=True)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    rx.axhline(1.0, color="k", linestyle="--", linewidth=1, label="roofline")
+    rx.set(xscale="log", xlabel="batch size", ylabel="step time / own roofline (hollow: rates moved > 15%)")
+    rx.set_title("x roofline, each mode against its own readings")
+    rx.set_ylim(bottom=0)
+    for a in (ax, rx):
+        a.set_xticks(batches, [str(b) for b in batches])
+        a.set_xticks([], minor=True)
+        a.grid(alpha=0.3, which="both")
+        a.legend(fontsize=8)
     fig.tight_layout()
     return fig
 

@@ -138,6 +138,26 @@ def test_the_plot_puts_batches_in_order_and_labels_each_once():
     plt.close(fig)
 
 
+def test_the_plot_shows_each_modes_own_x_roofline_hollow_where_the_rates_moved():
+    """The left panel's roofline is the start's readings; a mode's ratio in the table is against its
+    own. The right panel draws that ratio, with the batch the machine moved under drawn hollow."""
+    import matplotlib.pyplot as plt
+
+    def row(ms: float, roof: float, read: tuple[float, ...]) -> Row:
+        return Row("ours ge_graph", ms, None, [[1]], read_gbs=read, roof_ms=roof)
+
+    summary = {
+        16: ([row(60.0, 40.0, (30.0, 31.0))], 40.0),
+        4: ([row(33.0, 30.0, (30.0, 60.0))], 30.0),  # memory moved 2x: unsteady
+    }
+    fig = figure(summary, "t")
+    right = fig.axes[1]
+    ratio, *points, _one = right.lines
+    assert list(ratio.get_xdata()) == [4, 16] and list(ratio.get_ydata()) == [1.1, 1.5]
+    assert [(p.get_xdata()[0], p.get_markerfacecolor() == "none") for p in points] == [(4, True), (16, False)]
+    plt.close(fig)
+
+
 def test_token_check_names_the_first_step_any_row_departs():
     ref = [[1, 2, 3, 4], [5, 6, 7, 8]]
     assert token_check(ref, ref) == "same tokens"
