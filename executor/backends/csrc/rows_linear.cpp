@@ -150,8 +150,8 @@ inline bool left(const Share& s) {
 // one done first waited at the end of every product. With the leftovers taken, 9 alternating
 // rounds on one runner put the step at 0.926x the time at bf16 batch 4 with SK decoder (every
 // round faster, 0.698-0.976), 0.977x at bf16 batch 4 with ge_graph and at fp32 batch 4 with SK
-// decoder, and 0.988-1.001x at batch 16, where the step is compute-bound (BENCHMARKS.md,
-// "forty-fifth pass"). A CAS per block costs nothing next to the block's 64-256 KB of weights.
+// decoder, and 0.988-1.001x at batch 16 and 0.990-0.998x at 64, where the step is compute-bound
+// (BENCHMARKS.md, "forty-fifth pass"). A CAS per block costs nothing next to the block's 64-256 KB of weights.
 template <typename F>
 void leftovers_for(int64_t n, const F& body) {
   const int64_t T = std::min<int64_t>(at::get_num_threads(), n);
