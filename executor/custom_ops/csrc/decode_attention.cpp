@@ -180,6 +180,25 @@ float exp_row(float* row, int64_t n) {
 
 constexpr int64_t kBlock = 32;  // cache slots widened to fp32 at a time (32 x 128 fp32 = 16 KiB)
 
+// How much of the next work item's K rows, and as much of its V rows, a work item asks for (into
+// L2) before it starts. Why: at a short context an item is a few KB of K and V (24 bf16 slots of
+// 128: 6 KB each) that each start a new stream, and a thread spent most of an item waiting on its
+// first lines. On the AVX-512 host (28 layers' caches, cold, 9 alternating rounds) batch 16 at 24
+// of 33 slots took 0.68-0.75x the time in bf16 and 0.80x in fp32, batch 64 0.72x; 2000 valid slots
+// at batch 1 stayed level (1.00-1.01x; there the hardware prefetcher follows each long stream).
+// Asking for the whole next item instead made that long case 1.14x slower. The eager 0.6B step
+// (which takes this op at any length) took 0.98x the time at batch 16 (bf16 and fp32) and 0.99x at
+// batch 64 (BENCHMARKS.md, "forty-sixth pass").
+constexpr int64_t kAheadBytes = 16 * 1024;
+
+// Ask for the first kAheadBytes of `rows` (n rows of `row_bytes`, `stride` bytes apart) into L2.
+inline void prefetch_rows(const char* rows, int64_t n, int64_t row_bytes, int64_t stride) {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__aarch64__))
+  for (int64_t t = 0, asked = 0; t < n && asked < kAheadBytes; ++t, asked += row_bytes)
+    for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(rows + t * stride + o, 0, 2);
+#endif
+}
+
 // Rows t = 0..nb-1 of `src` (row stride `stride`) as fp32 rows: returns where they are and their
 // stride. fp32 rows are read in place where they fill whole vectors and no slot of the block is
 // masked; otherwise they are widened into `dst` (row stride Dv), a masked slot's row as zeros (a
@@ -258,6 +277,12 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       }
       scores.resize(G * n);
       const scalar_t* kr = kp + b * ks0 + h * ks1;
+      if (item + 1 < end) {  // the next item's first K and V rows, while this one computes
+        const int64_t s1 = (item + 1) % S, h1 = ((item + 1) / S) % Hkv, b1 = (item + 1) / (S * Hkv);
+        const int64_t n1 = last[b1 * S + s1] + 1, es = sizeof(scalar_t);
+        prefetch_rows(reinterpret_cast<const char*>(kp + b1 * ks0 + h1 * ks1), n1, D * es, ks2 * es);
+        prefetch_rows(reinterpret_cast<const char*>(vp + b1 * vs0 + h1 * vs1), n1, D * es, vs2 * es);
+      }
       for (int64_t t0 = 0; t0 < n; t0 += kBlock) {  // scores of a block of slots, all G rows
         const int64_t nb = std::min(kBlock, n - t0);
         if constexpr (kBf16) {
