@@ -184,8 +184,9 @@ constexpr int64_t kBlock = 32;  // cache slots widened to fp32 at a time (32 x 1
 // L2) before it starts. Why: at a short context an item is a few KB of K and V (24 bf16 slots of
 // 128: 6 KB each) that each start a new stream, and a thread spent most of an item waiting on its
 // first lines. On the AVX-512 host (28 layers' caches, cold, 9 alternating rounds) batch 16 at 24
-// of 33 slots took 0.68-0.75x the time in bf16 and 0.80x in fp32, batch 64 0.72x; 2000 valid slots
-// at batch 1 stayed level (1.00-1.01x; there the hardware prefetcher follows each long stream).
+// of 33 slots took 0.70x the time in bf16 and 0.80x in fp32 (batch 64 in bf16, asking for 8 KB:
+// 0.72x); 2000 valid slots at batch 1 stayed level (1.00-1.01x; there the hardware prefetcher
+// follows each long stream).
 // Asking for the whole next item instead made that long case 1.14x slower. The eager 0.6B step
 // (which takes this op at any length) took 0.98x the time at batch 16 (bf16 and fp32) and 0.99x at
 // batch 64 (BENCHMARKS.md, "forty-sixth pass").
