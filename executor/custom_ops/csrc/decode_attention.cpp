@@ -186,15 +186,14 @@ constexpr int64_t kBlock = 32;  // cache slots widened to fp32 at a time (32 x 1
 // first lines. On the AVX-512 host (28 layers' caches, cold, 9 alternating rounds) batch 16 at 24
 // of 33 slots took 0.70x the time in bf16 and 0.80x in fp32 (batch 64 in bf16, asking for 8 KB:
 // 0.72x); 2000 valid slots at batch 1 stayed level (1.00-1.01x; there the hardware prefetcher
-// follows each long stream).
-// Asking for the whole next item instead made that long case 1.14x slower. The eager 0.6B step
-// (which takes this op at any length) took 0.98x the time at batch 16 (bf16 and fp32) and 0.99x at
-// batch 64 (BENCHMARKS.md, "forty-sixth pass").
+// follows each long stream), and asking for the whole next item made that case 1.14x slower. The
+// eager 0.6B step (which takes this op at any length) took 0.98x the time at batch 16 (bf16 and
+// fp32) and 0.99x at batch 64 (BENCHMARKS.md, "forty-sixth pass").
 constexpr int64_t kAheadBytes = 16 * 1024;
 
 // Ask for the first kAheadBytes of `rows` (n rows of `row_bytes`, `stride` bytes apart) into L2.
 inline void prefetch_rows(const char* rows, int64_t n, int64_t row_bytes, int64_t stride) {
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__aarch64__))
+#if defined(__GNUC__)  // GCC and Clang: a hint, on any target
   for (int64_t t = 0, asked = 0; t < n && asked < kAheadBytes; ++t, asked += row_bytes)
     for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(rows + t * stride + o, 0, 2);
 #endif
