@@ -366,19 +366,21 @@ inline void avx2_block(const Avx2TileFn* tiles, const float* x, int64_t M, int64
 }
 
 // run_tiles for the AVX2 layout: x and y in fp32, the weight's bytes per k step `step` (64 in
-// fp32, 32 in bf16; only fp32 prefetches ahead in the block, kAvx2Ahead).
+// fp32, 32 in bf16; only fp32 prefetches ahead in the block, kAvx2Ahead). The blocks are shared
+// out as in the AVX-512 loop (leftovers_for). On an AVX2-only CPU (Zen 3) that ran the batch-16 step
+// at 0.96x the fixed split's time in fp32 (ge_graph) and 0.88-0.93x in bf16 (ge_graph, SK decoder),
+// level at batch 4 (9-13 alternating rounds on one runner; BENCHMARKS.md, "forty-seventh pass").
 void run_avx2_tiles(const Avx2TileFn* tiles, const float* x, int64_t M, int64_t K, const char* w, int64_t NB,
                     int64_t step, const float* bias, float* y, uint16_t* yh) {
   const int64_t N = NB * kAvx2Cols, block = K * step;
-  at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(yh ? M * kAvx2Cols : 0);
-    for (int64_t nb = begin; nb < end; ++nb) {
-      // the next block's lines (a bf16 block of odd K: its last half line is left), none past the weight
-      const int64_t lines = nb + 1 < end ? block / 64 : 0;
-      const Avx2Out out = yh ? Avx2Out{scratch.data(), kAvx2Cols, yh + nb * kAvx2Cols, N} : Avx2Out{y + nb * kAvx2Cols, N};
-      avx2_block(tiles, x, M, K, w + nb * block, bias ? bias + nb * kAvx2Cols : nullptr, out, w + (nb + 1) * block,
-                 lines, step == 64 ? kAvx2Ahead : 0);
-    }
+  leftovers_for(NB, [&](int64_t nb, bool next) {
+    thread_local std::vector<float> scratch;  // a bf16 y's fp32 sums, one block at a time
+    if (yh && static_cast<int64_t>(scratch.size()) < M * kAvx2Cols) scratch.resize(M * kAvx2Cols);
+    // the next block's lines (a bf16 block of odd K: its last half line is left), none past the weight
+    const int64_t lines = next ? block / 64 : 0;
+    const Avx2Out out = yh ? Avx2Out{scratch.data(), kAvx2Cols, yh + nb * kAvx2Cols, N} : Avx2Out{y + nb * kAvx2Cols, N};
+    avx2_block(tiles, x, M, K, w + nb * block, bias ? bias + nb * kAvx2Cols : nullptr, out, w + (nb + 1) * block,
+               lines, step == 64 ? kAvx2Ahead : 0);
   });
 }
 
