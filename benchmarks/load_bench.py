@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,7 +75,10 @@ def child(args) -> int:
     # eager is not among the modes it is built first for that alone, and freed before the others.
     runners, reference = {}, None
     modes = args.modes.split(",")
+    # Progress goes to stderr (the parent's stdout is the protocol): a cold build and compile takes
+    # minutes per mode at the 0.6B shape on two cores, and a silent start looks like a hang.
     for mode in modes if "eager" in modes else ["eager", *modes]:
+        start = time.perf_counter()
         plan = None if mode in ("eager", "ge_graph") else mode
         sets = [
             f"model_config.model_path={path}",
@@ -93,6 +97,7 @@ def child(args) -> int:
         runner.generate(prompt, 2)  # compile
         if mode == "eager":
             reference = runner.generate(prompt, args.steps + 1).token_ids
+        print(f"    built {mode} in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
         if mode in modes:
             runners[mode] = runner
         del runner
@@ -101,6 +106,8 @@ def child(args) -> int:
     for phase in ("idle", "loaded"):
         print(f"ready {phase}", flush=True)
         sys.stdin.readline()  # the parent starts (or not) the neighbour, then says go
+        rounds = f"{args.rounds} round{'s' * (args.rounds != 1)}"
+        print(f"    timing {', '.join(runners)} {phase}: {rounds}", file=sys.stderr, flush=True)
         for runner in runners.values():
             runner.generate(prompt, args.steps + 1)  # warm (and the governor's first look at the host)
         # The modes take turns, round after round: the host's speed (and the neighbour's) moves
@@ -204,6 +211,7 @@ def main(argv=None) -> int:
         ckpt, cache = Path(tmp) / "ckpt", Path(tmp) / "cache"
         for name in policies:
             for gov in governors:
+                print(f"  policy {name}, governor {gov}:", flush=True)
                 try:
                     r = measure(POLICIES[name], gov, args, ckpt, cache)
                 except ChildFailed as exc:
@@ -212,7 +220,7 @@ def main(argv=None) -> int:
                         file=sys.stderr,
                     )
                     return 2
-                print(f"  measured policy {name}, governor {gov} ({r['threads']} threads)", flush=True)
+                print(f"    done ({r['threads']} threads)", flush=True)
                 rows.append((name, gov, r))
     print(
         "\n| OMP wait policy | governor | mode | idle median ms | idle p90 | loaded median ms | loaded p90 "

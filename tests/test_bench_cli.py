@@ -92,6 +92,9 @@ def test_load_bench_says_whether_each_rows_tokens_are_ours_eagers():
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| gomp default | on |")]
     assert len(rows) == 1 and rows[0].startswith("| gomp default | on | ge_graph |")
     assert rows[0].endswith("| same tokens / same tokens |")
+    # progress while it builds and times (minutes per mode at the 0.6B shape), on stderr, in order
+    said = [line.strip().split(" in ")[0] for line in proc.stderr.splitlines() if line.startswith("    ")]
+    assert said == ["built eager", "built ge_graph", "timing ge_graph idle: 1 round", "timing ge_graph loaded: 1 round"]
 
 
 SIZED = (decode_bench, prefill_bench, attention_bench, step_profile)
