@@ -87,23 +87,25 @@ def test_kernel_matches_fp32_linear_for_every_tile_size(dtype, cols, rows, bias)
     torch.testing.assert_close(y.float(), reference(x, w, b), **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("cols", [64, 16], ids=["avx512", "avx2"])
+@pytest.mark.parametrize(("cols", "packed"), [(64, True), (16, True), (16, False)], ids=["avx512", "avx2", "as-stored"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_block_runs_once_whatever_the_threads(dtype, cols):
-    """Both loops hand each thread a share of the blocks (of 64 or 16 columns) and let a thread that
+def test_every_block_runs_once_whatever_the_threads(dtype, cols, packed):
+    """The loops hand each thread a share of the blocks (of 64 or 16 columns) and let a thread that
     is done take the last blocks of another's share. A block's sums do not depend on the thread that
     runs it, so every thread count must give the one-thread result bit for bit; a block that no
     thread runs leaves the output's uninitialised memory there. More threads than cores (5 on the
     2-core reference machine) makes some wait for a core, so shares are taken over; block counts
-    below, at and above the thread count. The AVX2 loop rounds a bf16 block's sums through a
-    thread's own scratch rows: one scratch shared by the threads fails here."""
+    below, at and above the thread count. The AVX2 loops round a bf16 block's sums through a
+    thread's own scratch rows, and the loop on a weight as stored packs each block into a thread's
+    own buffer: one scratch or buffer shared by the threads fails here."""
     if not loop_runs(dtype, cols):
         pytest.skip(f"this CPU does not run the {cols}-column loop")
     before = torch.get_num_threads()
     torch.manual_seed(5)
     try:
         for blocks in (1, 2, 3, 5, 9, 40):
-            w = packed_linear.pack_rows((torch.randn(cols * blocks, 96) * 0.1).to(dtype), cols)
+            w = (torch.randn(cols * blocks, 96) * 0.1).to(dtype)
+            w = packed_linear.pack_rows(w, cols) if packed else w
             for rows in (2, 7, 16):
                 x = torch.randn(rows, 96).to(dtype)
                 torch.set_num_threads(1)

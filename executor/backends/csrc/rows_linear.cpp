@@ -431,25 +431,28 @@ CANN_AVX2_TARGET inline void pack_bf16_block(const uint16_t* src, int64_t ldw, i
 // rows on it: the block's K x 16 values are copied once per M rows of compute. While a block
 // computes, the next one's 16 weight rows are prefetched (one region where the rows are
 // contiguous): without that, packing read 16 short streams from memory with the core waiting.
+// The blocks are shared out as in the packed loops (leftovers_for): on the AVX2 kind (Zen 3) that ran
+// the eager bf16 step at 0.91x the fixed split's time at batch 16 (11 of 11 rounds faster) and 0.93x at
+// 64, a 256-token prefill at 0.91x (7 alternating rounds each; BENCHMARKS.md, "forty-eighth pass").
 template <typename W>
 void run_avx2_plain(const Avx2TileFn* tiles, const float* x, int64_t M, int64_t K, const W* w, int64_t ldw,
                     int64_t NB, const float* bias, float* y, uint16_t* yh) {
   const int64_t N = NB * kAvx2Cols, block = kAvx2Cols * K * static_cast<int64_t>(sizeof(W));
-  at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
-    std::vector<W> buf(K * kAvx2Cols);
-    std::vector<float> scratch(yh ? M * kAvx2Cols : 0);
-    for (int64_t nb = begin; nb < end; ++nb) {
-      if constexpr (sizeof(W) == 2) {
-        pack_bf16_block(w + nb * kAvx2Cols * ldw, ldw, K, buf.data());
-      } else {
-        for (int64_t c = 0; c < kAvx2Cols; ++c)
-          for (int64_t k = 0; k < K; ++k) buf[k * kAvx2Cols + c] = w[(nb * kAvx2Cols + c) * ldw + k];
-      }
-      const int64_t lines = nb + 1 < end && ldw == K ? block / 64 : 0;
-      const Avx2Out out = yh ? Avx2Out{scratch.data(), kAvx2Cols, yh + nb * kAvx2Cols, N} : Avx2Out{y + nb * kAvx2Cols, N};
-      avx2_block(tiles, x, M, K, buf.data(), bias ? bias + nb * kAvx2Cols : nullptr, out,
-                 reinterpret_cast<const char*>(w + (nb + 1) * kAvx2Cols * ldw), lines, 0);  // buf: just written
+  leftovers_for(NB, [&](int64_t nb, bool next) {
+    thread_local std::vector<W> buf;          // the block packed (kept for the thread: K x 16 values)
+    thread_local std::vector<float> scratch;  // a bf16 y's fp32 sums (M x 16)
+    if (static_cast<int64_t>(buf.size()) < K * kAvx2Cols) buf.resize(K * kAvx2Cols);
+    if (yh && static_cast<int64_t>(scratch.size()) < M * kAvx2Cols) scratch.resize(M * kAvx2Cols);
+    if constexpr (sizeof(W) == 2) {
+      pack_bf16_block(w + nb * kAvx2Cols * ldw, ldw, K, buf.data());
+    } else {
+      for (int64_t c = 0; c < kAvx2Cols; ++c)
+        for (int64_t k = 0; k < K; ++k) buf[k * kAvx2Cols + c] = w[(nb * kAvx2Cols + c) * ldw + k];
     }
+    const int64_t lines = next && ldw == K ? block / 64 : 0;
+    const Avx2Out out = yh ? Avx2Out{scratch.data(), kAvx2Cols, yh + nb * kAvx2Cols, N} : Avx2Out{y + nb * kAvx2Cols, N};
+    avx2_block(tiles, x, M, K, buf.data(), bias ? bias + nb * kAvx2Cols : nullptr, out,
+               reinterpret_cast<const char*>(w + (nb + 1) * kAvx2Cols * ldw), lines, 0);  // buf: just written
   });
 }
 #endif
