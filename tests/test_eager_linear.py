@@ -116,6 +116,35 @@ def test_one_to_four_rows_run_the_few_row_kernels(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gemv_every_output_once_whatever_the_threads(dtype):
+    """The GEMV kernel hands each thread a share of the outputs (blocks of 32) and lets a thread that
+    is done take the last blocks of another's share (csrc/linear_io.h, leftovers_for). An output's
+    sum does not depend on the thread that runs it, so every thread count must give the one-thread
+    result bit for bit; an output no thread runs keeps what its memory held, and two inputs taking
+    turns make that the other input's result where the allocator hands the same memory back. Output
+    counts below one share (256), between, and with a last block of 5; 5 threads on 2 cores wait for
+    a core."""
+    if not eager_linear.gemv_runs(dtype):
+        pytest.skip("neither AVX-512 nor AVX2 here, or no compiler for the kernel")
+    before = torch.get_num_threads()
+    torch.manual_seed(3)
+    try:
+        for n in (100, 300, 32 * 40 + 5):
+            w = (torch.randn(n, 96) * 0.1).to(dtype)
+            for rows in (1, 2, 4):
+                xs = [torch.randn(rows, 96).to(dtype) for _ in range(2)]
+                torch.set_num_threads(1)
+                alone = [torch.ops.cann_cpu.gemv(x, w, None) for x in xs]
+                for threads in (2, 3, 5):
+                    torch.set_num_threads(threads)
+                    for i in range(10):
+                        got = torch.ops.cann_cpu.gemv(xs[i % 2], w, None)
+                        assert torch.equal(got, alone[i % 2]), (n, rows, threads)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("rows", [3, 5, 6, 7, 16, 17, 32, 48, 64])
 def test_three_to_64_rows_run_dot_linear(dtype, rows):
     """Both loops: the tiles (3-7 rows: one tile of rows, 16-17: balanced tiles; N = 4k + 3: a last

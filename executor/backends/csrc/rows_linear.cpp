@@ -33,8 +33,6 @@
 #include "linear_io.h"
 
 #include <algorithm>
-#include <atomic>
-#include <climits>
 #include <cstdint>
 #include <vector>
 
@@ -121,68 +119,6 @@ constexpr TileFn<uint16_t> kBf16Tiles[kRows + 1] = {
 constexpr TileFn<float> kF32Tiles[kRows + 1] = {
     nullptr, f32_tile<1>, f32_tile<2>, f32_tile<3>, f32_tile<4>, f32_tile<5>, f32_tile<6>};
 
-// One thread's share of the blocks, [lo, hi) packed in one word: its owner takes from the front,
-// a thread whose own share is done takes from the back.
-struct alignas(64) Share {
-  std::atomic<uint64_t> range{0};  // lo | hi << 32
-};
-
-inline int64_t take(Share& s, bool front) {
-  uint64_t cur = s.range.load(std::memory_order_relaxed);
-  for (;;) {
-    const uint64_t lo = cur & 0xffffffffu, hi = cur >> 32;
-    if (lo >= hi) return -1;
-    const uint64_t next = front ? (lo + 1) | (hi << 32) : lo | ((hi - 1) << 32);
-    if (s.range.compare_exchange_weak(cur, next, std::memory_order_relaxed)) return front ? lo : hi - 1;
-  }
-}
-
-inline bool left(const Share& s) {
-  const uint64_t cur = s.range.load(std::memory_order_relaxed);
-  return (cur & 0xffffffffu) < (cur >> 32);
-}
-
-// body(i, next) for every block i in [0, n), in parallel: each thread runs its contiguous share in
-// order (the split at::parallel_for makes), then takes the last blocks left of the other shares.
-// `next`: block i + 1 is still this thread's to run (what a tile's prefetch of the next block needs).
-// Why not at::parallel_for's fixed split alone: the two cores' equal shares did not take equal
-// time (perf, SK decoder at bf16 batch 16: 59.3 against 55.5 ms of this kernel a step), and the
-// one done first waited at the end of every product. With the leftovers taken, 9 alternating
-// rounds on one runner put the step at 0.926x the time at bf16 batch 4 with SK decoder (every
-// round faster, 0.698-0.976), 0.977x at bf16 batch 4 with ge_graph and at fp32 batch 4 with SK
-// decoder, and 0.988-1.001x at batch 16 and 0.990-0.998x at 64, where the step is compute-bound
-// (BENCHMARKS.md, "forty-fifth pass"). A CAS per block costs nothing next to the block's 64-256 KB of weights.
-template <typename F>
-void leftovers_for(int64_t n, const F& body) {
-  const int64_t T = std::min<int64_t>(at::get_num_threads(), n);
-  if (T < 2 || n > INT32_MAX) {
-    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) body(i, i + 1 < end);
-    });
-    return;
-  }
-  std::vector<Share> shares(T);
-  for (int64_t t = 0; t < T; ++t)
-    shares[t].range.store(static_cast<uint64_t>(n * t / T) | static_cast<uint64_t>(n * (t + 1) / T) << 32);
-  // one share a thread where the pool has T threads; run serially (inside another parallel
-  // region), or with fewer threads, a thread takes several shares and the rest are taken from
-  // the back: every block runs once whatever the pool does
-  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t i; (i = take(shares[t], true)) >= 0;) body(i, left(shares[t]));
-    for (bool took = true; took;) {
-      took = false;
-      for (int64_t j = 1; j <= T && !took; ++j) {
-        const int64_t i = take(shares[(begin + j) % T], false);
-        if (i >= 0) {
-          body(i, false);
-          took = true;
-        }
-      }
-    }
-  });
-}
-
 // Every 64-column block (in parallel, leftovers_for) times every tile of rows. `kstep` is the packed
 // weight's k extent per block (K/2 pairs in bf16, K in fp32), 256 bytes (4 cache lines) per step.
 //
@@ -197,7 +133,7 @@ template <typename T>
 void run_tiles(const TileFn<T>* tiles, const T* x, int64_t M, int64_t K, const T* w, int64_t NB, int64_t kstep,
                const float* bias, T* y) {
   const int64_t N = NB * kCols, block = K * kCols, n_tiles = (M + kRows - 1) / kRows;
-  leftovers_for(NB, [&](int64_t nb, bool next) {
+  cann::leftovers_for(NB, [&](int64_t nb, bool next) {
     const float* bb = bias ? bias + nb * kCols : nullptr;
     const bool prefetch = n_tiles > 1 && next;
     const char* pf = reinterpret_cast<const char*>(w + (nb + 1) * block);  // lines rounded up may run
@@ -373,7 +309,7 @@ inline void avx2_block(const Avx2TileFn* tiles, const float* x, int64_t M, int64
 void run_avx2_tiles(const Avx2TileFn* tiles, const float* x, int64_t M, int64_t K, const char* w, int64_t NB,
                     int64_t step, const float* bias, float* y, uint16_t* yh) {
   const int64_t N = NB * kAvx2Cols, block = K * step;
-  leftovers_for(NB, [&](int64_t nb, bool next) {
+  cann::leftovers_for(NB, [&](int64_t nb, bool next) {
     thread_local std::vector<float> scratch;  // a bf16 y's fp32 sums, one block at a time
     if (yh && static_cast<int64_t>(scratch.size()) < M * kAvx2Cols) scratch.resize(M * kAvx2Cols);
     // the next block's lines (a bf16 block of odd K: its last half line is left), none past the weight
@@ -438,7 +374,7 @@ template <typename W>
 void run_avx2_plain(const Avx2TileFn* tiles, const float* x, int64_t M, int64_t K, const W* w, int64_t ldw,
                     int64_t NB, const float* bias, float* y, uint16_t* yh) {
   const int64_t N = NB * kAvx2Cols, block = kAvx2Cols * K * static_cast<int64_t>(sizeof(W));
-  leftovers_for(NB, [&](int64_t nb, bool next) {
+  cann::leftovers_for(NB, [&](int64_t nb, bool next) {
     thread_local std::vector<W> buf;          // the block packed (kept for the thread: K x 16 values)
     thread_local std::vector<float> scratch;  // a bf16 y's fp32 sums (M x 16)
     if (static_cast<int64_t>(buf.size()) < K * kAvx2Cols) buf.resize(K * kAvx2Cols);
