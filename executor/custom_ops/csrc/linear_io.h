@@ -64,8 +64,12 @@ inline bool left(const Share& s) {
 template <typename F>
 void leftovers_for(int64_t n, const F& body, int64_t max_shares = INT64_MAX) {
   const int64_t T = std::min<int64_t>({at::get_num_threads(), n, max_shares});
-  if (T < 2 || n > INT32_MAX) {
-    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  if (T < 2) {  // one thread, one block or one share: in order, on this thread
+    for (int64_t i = 0; i < n; ++i) body(i, i + 1 < n);
+    return;
+  }
+  if (n > INT32_MAX) {  // more blocks than a share's word holds: the fixed split, T chunks
+    at::parallel_for(0, n, (n + T - 1) / T, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) body(i, i + 1 < end);
     });
     return;
