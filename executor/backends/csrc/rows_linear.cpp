@@ -34,6 +34,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -189,41 +190,57 @@ CANN_AVX2_TARGET inline void load_step(const void* w, int64_t k, __m256& w0, __m
 // 0.91-0.97x and 1.03x, so fp32 keeps this one). BENCHMARKS.md, "twentieth" and "twenty-first pass".
 constexpr int64_t kAvx2Ahead = 1024;
 
-// One AVX2 tile: MB rows of fp32 x (row stride ldx) times one packed 16-column block (K steps),
-// into fp32 y (row stride ldy). Besides the prefetch `ahead` bytes ahead in w (0: none), it prefetches
-// `pf_lines` lines from `pf` on into L2, spread evenly over its K steps (at most one per step; the
-// AVX-512 loop's scheme, not measured apart on this one). The loops are unrolled by pragma:
-// - rows and columns: without it GCC 12 kept the accumulators in registers but also stored all 12
-//   to the stack on every k step; the fp32 pass at M = 16 ran 56 GFLOP/s, 134 with the pragma;
-// - k, four steps: 134 -> 153 GFLOP/s in fp32 at M = 16, 106 -> 151 in bf16 (gemm_bench, one run
-//   each; oneDNN on the same packed pass: 94-97).
+// One k step of an AVX2 tile: the block's 16 columns at step k times the tile's MB values of x at
+// k (x interleaved by k: interleave_rows), into the accumulators.
 template <int MB, bool kBf16>
-CANN_AVX2_TARGET inline void avx2_tile(const float* x, int64_t ldx, const void* w, int64_t K, const float* bias,
-                                       float* y, int64_t ldy, const char* pf, int64_t pf_lines, int64_t ahead) {
+CANN_AVX2_TARGET __attribute__((always_inline)) inline void avx2_step(const float* xk, const void* w, int64_t k,
+                                                                     __m256 (&acc)[MB][2]) {
+  __m256 w0, w1;
+  load_step<kBf16>(w, k, w0, w1);
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m) {
+    const __m256 b = _mm256_broadcast_ss(xk + m);
+    acc[m][0] = _mm256_fmadd_ps(w0, b, acc[m][0]);
+    acc[m][1] = _mm256_fmadd_ps(w1, b, acc[m][1]);
+  }
+}
+
+// One AVX2 tile: MB rows of fp32 x, interleaved by k (x[k * MB + m]), times one packed 16-column
+// block (K steps), into fp32 y (row stride ldy). Besides the prefetch `ahead` bytes ahead in w (0:
+// none), it prefetches `pf_lines` lines from `pf` on into L2, spread evenly over its K steps (the
+// AVX-512 loop's scheme, not measured apart on this one).
+// A k step is one weight load, two integer ops (bf16), MB broadcasts and 2 x MB FMAs; Zen 3 issues
+// 6 ops a cycle, 2 of them FMAs. With x in rows (ldx apart) and the prefetch checks made every
+// step, GCC added two or three address computations and ~6 scalar ops to each step, ~25 ops to 8
+// FMAs at 4 rows: the front end, not the FMA units, set the pace. So x's values of a step lie side
+// by side (one pointer, fixed offsets) and the bookkeeping runs once per four steps. Same greedy
+// tokens, the ge_graph step's time (alternating rounds on one runner, AVX2 kind): fp32 0.88x at
+// batch 4, 0.69x at 16, 0.66x at 64; bf16 0.88x at 4, 0.81x at 16; the eager bf16 step at 16 0.85x
+// (BENCHMARKS.md, "forty-ninth pass"). The unrolling pragmas: without them GCC 12 kept the
+// accumulators in registers but also stored all 12 to the stack on every k step (fp32 at M = 16:
+// 56 GFLOP/s, 134 with them).
+template <int MB, bool kBf16>
+CANN_AVX2_TARGET inline void avx2_tile(const float* x, const void* w, int64_t K, const float* bias, float* y,
+                                       int64_t ldy, const char* pf, int64_t pf_lines, int64_t ahead) {
+  constexpr int64_t kStepBytes = kBf16 ? 32 : 64, kGroup = 4;
   __m256 acc[MB][2];
 #pragma GCC unroll 8
   for (int m = 0; m < MB; ++m)
 #pragma GCC unroll 2
     for (int c = 0; c < 2; ++c) acc[m][c] = bias ? _mm256_loadu_ps(bias + c * 8) : _mm256_setzero_ps();
-  int64_t due = 0;
+  const char* wb = static_cast<const char*>(w);
+  int64_t due = 0, k = 0;
+  for (; k + kGroup <= K; k += kGroup) {
+    if (ahead)  // one line per 64 bytes of the group's steps
 #pragma GCC unroll 4
-  for (int64_t k = 0; k < K; ++k) {
-    __m256 w0, w1;
-    load_step<kBf16>(w, k, w0, w1);
-    if (ahead && (!kBf16 || (k & 1) == 0))  // once per 64-byte line: 2 k steps in bf16, 1 in fp32
-      _mm_prefetch(static_cast<const char*>(w) + k * (kBf16 ? 32 : 64) + ahead, _MM_HINT_T0);
-#pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) {
-      const __m256 b = _mm256_broadcast_ss(x + m * ldx + k);
-      acc[m][0] = _mm256_fmadd_ps(w0, b, acc[m][0]);
-      acc[m][1] = _mm256_fmadd_ps(w1, b, acc[m][1]);
-    }
-    due += pf_lines;
-    if (due >= K) {
-      _mm_prefetch(pf, _MM_HINT_T1);
-      pf += 64;
-      due -= K;
-    }
+      for (int64_t b = 0; b < kGroup * kStepBytes; b += 64) _mm_prefetch(wb + k * kStepBytes + ahead + b, _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int64_t j = 0; j < kGroup; ++j) avx2_step<MB, kBf16>(x + (k + j) * MB, w, k + j, acc);
+    for (due += kGroup * pf_lines; due >= K; due -= K, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+  }
+  for (; k < K; ++k) {
+    avx2_step<MB, kBf16>(x + k * MB, w, k, acc);
+    for (due += pf_lines; due >= K; due -= K, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
   }
 #pragma GCC unroll 8
   for (int m = 0; m < MB; ++m)
@@ -231,8 +248,8 @@ CANN_AVX2_TARGET inline void avx2_tile(const float* x, int64_t ldx, const void* 
     for (int c = 0; c < 2; ++c) _mm256_storeu_ps(y + m * ldy + c * 8, acc[m][c]);
 }
 
-using Avx2TileFn = void (*)(const float*, int64_t, const void*, int64_t, const float*, float*, int64_t, const char*,
-                            int64_t, int64_t);
+using Avx2TileFn = void (*)(const float*, const void*, int64_t, const float*, float*, int64_t, const char*, int64_t,
+                            int64_t);
 constexpr Avx2TileFn kAvx2F32Tiles[kRows + 1] = {
     nullptr, avx2_tile<1, false>, avx2_tile<2, false>, avx2_tile<3, false>,
     avx2_tile<4, false>, avx2_tile<5, false>, avx2_tile<6, false>};
@@ -240,14 +257,28 @@ constexpr Avx2TileFn kAvx2Bf16Tiles[kRows + 1] = {
     nullptr, avx2_tile<1, true>, avx2_tile<2, true>, avx2_tile<3, true>,
     avx2_tile<4, true>, avx2_tile<5, true>, avx2_tile<6, true>};
 
-// x's bf16 values widened to fp32 (exact: a bf16 value is the high half of an fp32 one), 8 at a time.
-CANN_AVX2_TARGET inline void widen_from_bf16(const uint16_t* src, int64_t n, float* dst) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+// The rows of tile t when M rows run as n_tiles tiles of balanced sizes (16 rows: 6 + 5 + 5).
+inline int64_t tile_rows(int64_t M, int64_t n_tiles, int64_t t) { return M / n_tiles + (t < M % n_tiles); }
+
+// x (M, K) as the AVX2 tiles read it, in fp32: tile by tile (avx2_block's split), each tile's rows
+// interleaved by k, dst[m0 * K + k * mb + m] = x[m0 + m][k], for k in [k0, k1); a bf16 x widened
+// on the way (exact: a bf16 value is the high half of an fp32 one). M x K values, in cache: next to
+// one pass over a weight of K x N (N >= 16 x M here) it is small.
+template <typename T>
+void interleave_rows(const T* src, int64_t M, int64_t K, int64_t k0, int64_t k1, float* dst) {
+  const int64_t n_tiles = (M + kRows - 1) / kRows;
+  for (int64_t m0 = 0, t = 0, mb = 0; m0 < M; m0 += mb, ++t) {
+    mb = tile_rows(M, n_tiles, t);
+    for (int64_t k = k0; k < k1; ++k)
+      for (int64_t m = 0; m < mb; ++m) {
+        if constexpr (sizeof(T) == 2) {
+          const uint32_t bits = static_cast<uint32_t>(src[(m0 + m) * K + k]) << 16;
+          std::memcpy(dst + m0 * K + k * mb + m, &bits, 4);
+        } else {
+          dst[m0 * K + k * mb + m] = src[(m0 + m) * K + k];
+        }
+      }
   }
-  for (; i < n; ++i) dst[i] = c10::BFloat16(src[i], c10::BFloat16::from_bits());
 }
 
 // One row of a block's 16 fp32 sums rounded to bf16 as aten rounds them (c10::BFloat16: to
@@ -291,9 +322,9 @@ inline void avx2_block(const Avx2TileFn* tiles, const float* x, int64_t M, int64
                        const float* bias, Avx2Out out, const char* pf, int64_t lines, int64_t ahead) {
   const int64_t n_tiles = (M + kRows - 1) / kRows;
   for (int64_t m0 = 0, t = 0, mb = 0, given = 0; m0 < M; m0 += mb, ++t) {
-    mb = M / n_tiles + (t < M % n_tiles);
+    mb = tile_rows(M, n_tiles, t);
     const int64_t share = n_tiles > 1 || !ahead ? (lines * (m0 + mb)) / M - given : 0;
-    tiles[mb](x + m0 * K, K, blk, K, bias, out.f + m0 * out.ldf, out.ldf, pf, share, n_tiles == 1 ? ahead : 0);
+    tiles[mb](x + m0 * K, blk, K, bias, out.f + m0 * out.ldf, out.ldf, pf, share, n_tiles == 1 ? ahead : 0);
     pf += share * 64;
     given += share;
   }
@@ -440,17 +471,20 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
 #ifdef CANN_ROWS
   const float* bp = fbias.defined() ? fbias.data_ptr<float>() : nullptr;
   if (avx2) {
-    // x in fp32 once (a bf16 x is M x K values, in cache), the sums in fp32; a bf16 y gets each
-    // block's sums rounded as the block finishes (Avx2Out)
-    std::vector<float> widened;
+    // x in fp32 and interleaved for the tiles once (M x K values, in cache; an fp32 row of one is
+    // already that), the sums in fp32; a bf16 y gets each block's sums rounded as the block finishes (Avx2Out)
+    std::vector<float> interleaved;
     const float* xf = bf16 ? nullptr : x2.data_ptr<float>();
-    if (bf16) {
-      widened.resize(M * K);
-      const auto* xh = reinterpret_cast<const uint16_t*>(x2.data_ptr());
-      at::parallel_for(0, M, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(K, 1)), [&](int64_t b, int64_t e) {
-        widen_from_bf16(xh + b * K, (e - b) * K, widened.data() + b * K);
+    if (bf16 || M > 1) {
+      interleaved.resize(M * K);
+      const int64_t grain = std::max<int64_t>(1, (1 << 16) / M);
+      at::parallel_for(0, K, grain, [&](int64_t k0, int64_t k1) {
+        if (bf16)
+          interleave_rows(reinterpret_cast<const uint16_t*>(x2.data_ptr()), M, K, k0, k1, interleaved.data());
+        else
+          interleave_rows(x2.data_ptr<float>(), M, K, k0, k1, interleaved.data());
       });
-      xf = widened.data();
+      xf = interleaved.data();
     }
     float* yf = bf16 ? nullptr : y.data_ptr<float>();
     auto* yh = bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr()) : nullptr;
