@@ -7,7 +7,9 @@ first allocation): a decode step streams every weight once, and the CPU's prefet
 each 4 KiB page; on the 2-core reference VM a 1 GiB sum read 29 GB/s on 4 KiB pages and 33 GB/s
 on 2 MiB ones, and the 0.6B fp32 ge_graph step went from 92-112 to 79-96 ms (BENCHMARKS.md).
 It only asks (madvise): a kernel whose transparent huge pages are `never` ignores it. A value the
-user set is kept (`THP_MEM_ALLOC_ENABLE=0` turns it off). metrics.json records `thp_alloc`.
+user set is kept (`THP_MEM_ALLOC_ENABLE=0` turns it off). metrics.json records `thp_alloc`. The
+allocator aligns a tensor to 4 KiB only, which leaves each tensor's ends in small pages: the runner
+moves the large weights onto 2 MiB boundaries (executor/huge_pages.py).
 
 The OpenMP wait policy: on a busy host, OpenMP threads that finish a parallel region sleep
 instead of spinning (`OMP_WAIT_POLICY=PASSIVE`). A decode step runs

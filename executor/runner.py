@@ -37,7 +37,7 @@ from typing import TextIO
 
 import torch
 
-from executor import MALLOC_POLICY, logs, memory, numerics, ops, preflight, thp_mode
+from executor import MALLOC_POLICY, huge_pages, logs, memory, numerics, ops, preflight, thp_mode
 from executor.arch import ModelArch
 from executor.backends import greedy
 from executor.backends.base import Backend, CompiledStep, DecodeSpec
@@ -123,6 +123,7 @@ class ModelRunner:
         # Only now: on Ascend "npu" names a device once the backend has imported torch_npu.
         self.device = torch.device(platform.kind)
         self.model.to(self.device).eval()
+        self.placement = huge_pages.place(self.model)  # CPU weights on whole 2 MiB pages
         self.prefill_kernels = EagerKernels(self.model, self.device, self.dtype)  # CPU: linears, attention, pointwise
         self.tokenizer = Tokenizer.from_file(self._tokenizer_path())
         preflight.check_vocab(self.arch, self.tokenizer.vocab_size, str(self.tokenizer.path))
@@ -476,6 +477,7 @@ class ModelRunner:
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "libgomp default"),  # see executor/__init__.py
             "omp_reason": os.environ.get("CANN_RECIPES_OMP_REASON", "set outside this project"),
             "thp_alloc": f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}, kernel: {thp_mode()}",
+            "weights_on_huge_pages": self.placement.to_metrics(),  # executor/huge_pages.py
             "malloc": MALLOC_POLICY,  # freed memory kept for reuse: see executor/__init__.py
             "exe_mode": mc.exe_mode,
             "backend": report.backend,

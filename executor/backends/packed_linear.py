@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from executor import huge_pages
 from executor.custom_ops._build import cpu_has_amx, cpu_has_avx2, cpu_has_avx512, load_optional_kernel
 from executor.memo import TensorMemo
 from executor.platform import cpu_runs_bf16
@@ -228,9 +229,9 @@ def pack_rows(weight: torch.Tensor, cols: int | None = None) -> torch.Tensor:
     w = weight.detach().contiguous()
     if weight.dtype == torch.bfloat16:
         if cols == 64:
-            return w.view(n // cols, cols, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-        return w.view(n // cols, 2, cols // 2, k).permute(0, 3, 2, 1).reshape(n // cols, k, cols)
-    return w.view(n // cols, cols, k).permute(0, 2, 1).contiguous()
+            return huge_pages.contiguous(w.view(n // cols, cols, k // 2, 2).permute(0, 2, 1, 3))
+        return huge_pages.contiguous(w.view(n // cols, 2, cols // 2, k).permute(0, 3, 2, 1)).view(n // cols, k, cols)
+    return huge_pages.contiguous(w.view(n // cols, cols, k).permute(0, 2, 1))
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
