@@ -1,9 +1,9 @@
 """Large linears that run eagerly on CPU (executor.backends.eager_linear): fp32 GEMMs go through
 oneDNN, products of 1-4 rows in bf16 and fp32 through the `cann_cpu::gemv` kernel (AVX-512 or
 AVX2), of 3-64 rows through `cann_cpu::dot_linear` on a CPU without AMX (AVX-512 or AVX2; 3-7 in
-bf16 on the AVX2 loop), bf16 GEMMs
-through `cann_cpu::rows_linear` where oneDNN would emulate bf16, and 2-64 bf16 rows through
-`cann_cpu::amx_linear` on a CPU with AMX.
+bf16 and 3-16 in fp32 on the AVX2 loop), GEMMs of more rows through `cann_cpu::rows_linear` on the
+weight as stored on a CPU without AVX-512 (bf16 where oneDNN would emulate it, and fp32), and 2-64
+bf16 rows through `cann_cpu::amx_linear` on a CPU with AMX.
 
 The tiny test models' weights are below the size where the switch applies, so a checkpoint with
 one large projection is built here; against transformers (aten's sgemm) the prefill logits and the
@@ -32,7 +32,9 @@ LARGE = packed_linear.MIN_WEIGHT_NUMEL // 256
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_qualifying_linears_run_through_onednn_with_the_same_result():
+def test_qualifying_fp32_gemms_run_through_onednn_or_the_rows_kernel_with_the_same_result():
+    """80 fp32 rows, past dot_linear: the rows kernel on the weight as stored on a CPU without
+    AVX-512 (rows_run_plain: faster than oneDNN there), oneDNN elsewhere; a small weight: aten."""
     torch.manual_seed(0)
     big = torch.nn.Linear(256, LARGE)  # with a bias
     small = torch.nn.Linear(256, 32)
@@ -41,7 +43,9 @@ def test_qualifying_linears_run_through_onednn_with_the_same_result():
     with torch.no_grad():
         want_big, want_small = F.linear(x, big.weight, big.bias), small(x)
         got_big, got_small = mode.linear(x, big.weight, big.bias), mode.linear(x, small.weight, small.bias)
-    assert (mode.onednn_calls, mode.gemv_calls, mode.dot_calls) == (1, 0, 0)  # 80 rows; the small weight: aten
+    plain = eager_linear.rows_run_plain(torch.float32)
+    assert plain == (not torch.cpu._is_avx512_supported() and packed_linear.kernel_runs(torch.float32))
+    assert (mode.onednn_calls, mode.rows_calls, mode.gemv_calls, mode.dot_calls) == (int(not plain), int(plain), 0, 0)
     assert got_big.shape == (2, 40, LARGE)
     torch.testing.assert_close(got_big, want_big, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_small, want_small, rtol=0, atol=0)
@@ -213,23 +217,36 @@ def wide_ckpt(tmp_path_factory):
 
 def test_prefill_linears_match_hf(wide_ckpt, make_qwen_runner):
     """The prompt's rows (3-64 of them) go to dot_linear on a CPU without AMX (AVX-512 or AVX2), to
-    oneDNN elsewhere."""
+    oneDNN elsewhere; on an AVX2 CPU more than 16 rows go to the rows kernel (below)."""
     runner, ref = make_qwen_runner(wide_ckpt), ckpt.load_reference(wide_ckpt)
     dot = eager_linear.dot_runs(torch.float32)
-    assert runner.prefill_kernels.linear_kernel == ("gemv+dot_linear+onednn" if dot else "onednn")
+    many = "rows_linear" if eager_linear.rows_run_plain(torch.float32) else "onednn"
+    assert runner.prefill_kernels.linear_kernel == (f"gemv+dot_linear+{many}" if dot else "onednn")
     expected = ckpt.reference_greedy(ref, PROMPT, 8)
     assert len(set(expected)) > 3, "degenerate reference; the comparison would prove little"
     gen = runner.generate([PROMPT], 8)
     assert gen.token_ids == [expected]
     assert_close_logits(gen.first_logits[0], hf_logits(ref, PROMPT)[-1])
     assert runner.prefill_kernels.to_metrics()["prefill_linears"] == {
-        "kernel": "gemv+dot_linear+onednn" if dot else "onednn",
+        "kernel": f"gemv+dot_linear+{many}" if dot else "onednn",
         "onednn_calls": 0 if dot else 2,
         "gemv_calls": 0,
         "dot_calls": 2 if dot else 0,
         "rows_calls": 0,
         "amx_calls": 0,
     }
+
+
+def test_a_long_fp32_prompt_runs_the_rows_kernel_and_matches_hf(wide_ckpt, make_qwen_runner):
+    """24 prompt rows in fp32 on a CPU without AVX-512: past dot_linear's 16, the rows kernel on the
+    weights as stored (its vectorized block packing) gives HF's logits."""
+    if not eager_linear.rows_run_plain(torch.float32):
+        pytest.skip("the rows kernel takes fp32 GEMMs only on an AVX2 CPU without AVX-512")
+    runner, ref = make_qwen_runner(wide_ckpt), ckpt.load_reference(wide_ckpt)
+    prompt = [(7 * i) % 90 + 3 for i in range(24)]
+    gen = runner.generate([prompt], 1)
+    assert_close_logits(gen.first_logits[0], hf_logits(ref, prompt)[-1])
+    assert runner.prefill_kernels.to_metrics()["prefill_linears"]["rows_calls"] == 2  # gate_up, down
 
 
 def test_eager_decode_runs_the_gemv_kernel_and_matches_hf(wide_ckpt, make_qwen_runner):

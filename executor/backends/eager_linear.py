@@ -69,7 +69,7 @@ from executor.platform import cpu_runs_bf16
 
 GEMV_MAX_ROWS = 4  # the kernel's limit (csrc/gemv.cpp)
 DOT_MIN_ROWS, DOT_MAX_ROWS = 3, 64  # the rows the eager path gives dot_linear (the same source; it takes 1-64)
-AVX2_DOT_MAX_ROWS = {torch.bfloat16: 7, torch.float32: 32}  # dot_linear's AVX2 loop: see dot_max_rows
+AVX2_DOT_MAX_ROWS = {torch.bfloat16: 7, torch.float32: 16}  # dot_linear's AVX2 loop: see dot_max_rows
 GEMV_DTYPES = (torch.bfloat16, torch.float32)
 GEMV_SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cpp"
 PLAIN_COLS = 16  # rows_linear's AVX2 loop, which alone takes a weight as stored (N a multiple of it)
@@ -139,11 +139,12 @@ def dot_runs(dtype: torch.dtype) -> bool:
 @functools.cache
 def dot_max_rows(dtype: torch.dtype) -> int:
     """The most rows the eager path gives dot_linear: DOT_MAX_ROWS on its AVX-512 loop, fewer on its
-    AVX2 one (AVX2_DOT_MAX_ROWS). There, in bf16, the loop widens every weight value in registers and
-    ran the 0.6B projections 0.74-0.90x the time of the rows kernel at 5-7 rows, level at 8, slower
-    from 12; in fp32 it ran them at 0.50-0.55x oneDNN's time at 5 rows, 0.63-0.71x at 16, 0.84x at
-    32 and level at 64, where the eager batch-64 step took 1.05x the time with it (batch 8 / 16:
-    0.56x / 0.59x; BENCHMARKS.md, "twenty-eighth pass")."""
+    AVX2 one (AVX2_DOT_MAX_ROWS), where the rows kernel takes over on the weight as stored
+    (rows_run_plain). There, in bf16, the loop widens every weight value in registers and ran the
+    0.6B projections 0.74-0.90x the time of the rows kernel at 5-7 rows, level at 8, slower from 12
+    (BENCHMARKS.md, "twenty-eighth pass"); in fp32 the rows kernel, once its block packing was
+    vectorized, took 1.21-1.43x dot_linear's time at 8-12 rows, 0.94-1.06x at 16, 0.92x at 32 and
+    0.72x at 64 ("fiftieth pass")."""
     return DOT_MAX_ROWS if cpu_has_avx512(dtype) else AVX2_DOT_MAX_ROWS[dtype]
 
 
@@ -189,11 +190,15 @@ def gemv_in_graphs(dtype: torch.dtype) -> bool:
 
 @functools.cache
 def rows_run_plain(dtype: torch.dtype) -> bool:
-    """bf16 products of more rows go to `cann_cpu::rows_linear` on the weight as stored: oneDNN
-    would emulate bf16 on this CPU (no AVX512-BF16 or AMX) and the kernel's AVX2 loop runs here."""
+    """Products of more rows than dot_linear takes go to `cann_cpu::rows_linear` on the weight as
+    stored, where the kernel's AVX2 loop runs (no AVX-512 for the dtype):
+    - bf16 where oneDNN would emulate bf16 (no AVX512-BF16 or AMX);
+    - fp32 on a CPU without AVX-512, ahead of oneDNN: on the AVX2 kind (Zen 3) it read the 0.6B
+      projections in 0.81x oneDNN's time at 64 rows and 0.86-0.87x at 128 and 512 (BENCHMARKS.md,
+      "fiftieth pass")."""
     return (
-        dtype == torch.bfloat16
-        and not packed_linear.supported(dtype)
+        dtype in (torch.bfloat16, torch.float32)
+        and (dtype == torch.float32 or not packed_linear.supported(dtype))
         and packed_linear.kernel_cols(dtype) == PLAIN_COLS
         and packed_linear.kernel_runs(dtype)
     )
@@ -202,9 +207,10 @@ def rows_run_plain(dtype: torch.dtype) -> bool:
 class LinearKernel:
     """`linear` for the op table: the GEMV kernel for 1-4 rows (gemv_max_rows) of a large CPU
     weight in bf16 or fp32, except a single fp32 row on a CPU with AMX (aten_takes_single_rows);
-    3-64 rows on dot_linear (a CPU without AMX; on its AVX2 loop 3-32 in fp32, 3-7 in bf16:
-    dot_max_rows); for more rows oneDNN in fp32, and in bf16 the AMX loop (2-64 rows, a CPU with
-    AMX) or the rows kernel where oneDNN would emulate bf16; the reference otherwise. The counts are
+    3-64 rows on dot_linear (a CPU without AMX; on its AVX2 loop 3-16 in fp32, 3-7 in bf16:
+    dot_max_rows); for more rows the rows kernel on a CPU without AVX-512 (in bf16 also where oneDNN
+    would emulate it: rows_run_plain), else oneDNN in fp32 and in bf16 the AMX loop (2-64 rows, a
+    CPU with AMX); the reference otherwise. The counts are
     what metrics.json reports."""
 
     def __init__(self):
@@ -228,19 +234,20 @@ class LinearKernel:
             if DOT_MIN_ROWS <= rows <= dot_max_rows(weight.dtype) and weight.stride(1) == 1 and dot_runs(weight.dtype):
                 self.dot_calls += 1
                 return torch.ops.cann_cpu.dot_linear.default(x, weight, bias)
+            if weight.stride(1) == 1 and weight.shape[0] % PLAIN_COLS == 0 and rows_run_plain(weight.dtype):
+                self.rows_calls += 1
+                return torch.ops.cann_cpu.rows_linear.default(x, weight, bias)
             if weight.dtype == torch.float32 and packed_linear.supported(torch.float32):
                 self.onednn_calls += 1
                 out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), weight, bias, "none", [], "")
                 return out.view(*x.shape[:-1], weight.shape[0])
-            if weight.stride(1) == 1 and weight.shape[0] % PLAIN_COLS == 0 and rows_run_plain(weight.dtype):
-                self.rows_calls += 1
-                return torch.ops.cann_cpu.rows_linear.default(x, weight, bias)
         return reference.linear(x, weight, bias)
 
 
 def kernel_for(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str:
-    """What a run's large linears get: "gemv+dot_linear+onednn" (fp32 on an AVX-512 or AVX2 CPU
-    without AMX: GEMV for 1-2 rows, dot_linear for 3-64 (AVX2: 3-32), oneDNN past that),
+    """What a run's large linears get: "gemv+dot_linear+onednn" (fp32 on an AVX-512 CPU without
+    AMX: GEMV for 1-2 rows, dot_linear for 3-64, oneDNN past that), "gemv+dot_linear+rows_linear"
+    (fp32 on an AVX2 CPU: dot_linear for 3-16 rows, the rows kernel past that),
     "gemv+dot_linear" (bf16 on an AVX512-BF16 CPU without AMX), "onednn" (fp32 elsewhere), "gemv"
     (bf16: its few-row products), "gemv+amx_linear" (bf16 on a CPU with AMX: the AMX loop takes
     2-64 rows), "gemv+dot_linear+rows_linear" (bf16 where oneDNN would emulate it: dot_linear's AVX2
@@ -252,7 +259,7 @@ def kernel_for(model: torch.nn.Module, device: torch.device, dtype: torch.dtype)
         return "aten"
     dot = dtype in GEMV_DTYPES and (cpu_has_avx512(dtype) or cpu_has_avx2()) and not cpu_has_amx()
     if dot and dtype == torch.float32:
-        return "gemv+dot_linear+onednn"
+        return "gemv+dot_linear+onednn" if cpu_has_avx512(dtype) else "gemv+dot_linear+rows_linear"
     if dot and cpu_has_avx512(dtype):
         return "gemv+dot_linear"
     if dtype == torch.float32 and packed_linear.supported(dtype):

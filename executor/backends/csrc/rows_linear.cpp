@@ -392,8 +392,43 @@ CANN_AVX2_TARGET inline void pack_bf16_block(const uint16_t* src, int64_t ldw, i
     }
 }
 
+// Pack 16 fp32 weight rows (`src`, rows `ldw` apart, K values each) into one AVX2 block: per k step
+// the 16 columns in order. Eight k steps at a time, as two 8 x 8 transposes (rows 0-7, rows 8-15).
+// The scalar copy it replaces made this loop 1.1-3.1x dot_linear's time on the 0.6B projections at
+// 4-64 rows, so fp32 never came here (BENCHMARKS.md, "forty-ninth pass").
+CANN_AVX2_TARGET inline void pack_f32_block(const float* src, int64_t ldw, int64_t K, float* dst) {
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256 r[8], t[8], u[8];
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(src + (8 * h + j) * ldw + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < 8; j += 2) {
+        t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);      // (j, j+1) at steps 0, 1 | 4, 5
+        t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);  // 2, 3 | 6, 7
+      }
+#pragma GCC unroll 2
+      for (int j = 0; j < 8; j += 4) {
+        u[j] = _mm256_shuffle_ps(t[j], t[j + 2], _MM_SHUFFLE(1, 0, 1, 0));          // rows j..j+3 at 0 | 4
+        u[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], _MM_SHUFFLE(3, 2, 3, 2));      // 1 | 5
+        u[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], _MM_SHUFFLE(1, 0, 1, 0));  // 2 | 6
+        u[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], _MM_SHUFFLE(3, 2, 3, 2));  // 3 | 7
+      }
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        _mm256_storeu_ps(dst + (k + i) * kAvx2Cols + 8 * h, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (k + i + 4) * kAvx2Cols + 8 * h, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+      }
+    }
+  }
+  for (; k < K; ++k)
+    for (int c = 0; c < kAvx2Cols; ++c) dst[k * kAvx2Cols + c] = src[c * ldw + k];
+}
+
 // The AVX2 loop on a weight as stored, (N, K) with rows `ldw` elements apart: for a product of many
-// rows (an eager prefill in bf16 on a CPU where oneDNN emulates bf16). Each thread packs one
+// rows in the eager path on a CPU without AVX-512 (bf16, where oneDNN emulates it, and fp32). Each thread packs one
 // 16-column block at a time into its own buffer, in pack_rows's layout, and runs every tile of
 // rows on it: the block's K x 16 values are copied once per M rows of compute. While a block
 // computes, the next one's 16 weight rows are prefetched (one region where the rows are
@@ -413,8 +448,7 @@ void run_avx2_plain(const Avx2TileFn* tiles, const float* x, int64_t M, int64_t 
     if constexpr (sizeof(W) == 2) {
       pack_bf16_block(w + nb * kAvx2Cols * ldw, ldw, K, buf.data());
     } else {
-      for (int64_t c = 0; c < kAvx2Cols; ++c)
-        for (int64_t k = 0; k < K; ++k) buf[k * kAvx2Cols + c] = w[(nb * kAvx2Cols + c) * ldw + k];
+      pack_f32_block(w + nb * kAvx2Cols * ldw, ldw, K, buf.data());
     }
     const int64_t lines = next && ldw == K ? block / 64 : 0;
     const Avx2Out out = yh ? Avx2Out{scratch.data(), kAvx2Cols, yh + nb * kAvx2Cols, N} : Avx2Out{y + nb * kAvx2Cols, N};
