@@ -428,9 +428,9 @@ CANN_AVX2_TARGET inline void pack_f32_block(const float* src, int64_t ldw, int64
 }
 
 // The AVX2 loop on a weight as stored, (N, K) with rows `ldw` elements apart: for a product of many
-// rows in the eager path on a CPU without AVX-512 (bf16, where oneDNN emulates it, and fp32). Each thread packs one
-// 16-column block at a time into its own buffer, in pack_rows's layout, and runs every tile of
-// rows on it: the block's K x 16 values are copied once per M rows of compute. While a block
+// rows in the eager path on a CPU without AVX-512 (bf16, where oneDNN emulates it, and fp32). Each
+// thread packs one 16-column block at a time into its own buffer, in pack_rows's layout, and runs
+// every tile of rows on it: the block's K x 16 values are copied once per M rows of compute. While a block
 // computes, the next one's 16 weight rows are prefetched (one region where the rows are
 // contiguous): without that, packing read 16 short streams from memory with the core waiting.
 // The blocks are shared out as in the packed loops (leftovers_for): on the AVX2 kind (Zen 3) that ran
