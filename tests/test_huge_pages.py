@@ -115,8 +115,9 @@ def test_a_packed_copy_is_the_same_layout_on_a_region_boundary():
 
 def test_the_runner_places_its_weights(make_qwen_runner):
     """The built-in model's tied 3 MiB embedding (fp32) is the one weight of a region or more."""
-    runner = make_qwen_runner("builtin", "model_config.exe_mode=eager", "model_config.enable_superkernel=false",
-                              "model_config.dtype=float32")
+    runner = make_qwen_runner(
+        "builtin", "model_config.exe_mode=eager", "model_config.enable_superkernel=false", "model_config.dtype=float32"
+    )
     embed = runner.model.embed_tokens.weight
     if huge_pages.wanted():
         assert runner.placement.moved == 1 and embed.data_ptr() % REGION == 0
