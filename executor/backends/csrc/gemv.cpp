@@ -430,13 +430,15 @@ CANN_AVX2_TARGET inline void load16(const void* wv, int64_t k, __m256& w0, __m25
 }
 
 // Half h of load16's pair: one vector, so that a loop can hold fewer weights in registers (a bf16
-// weight's 32 bytes are read again for the second half, from L1).
-template <bool kBf16>
+// weight's 32 bytes are read again for the second half, from L1). kShifts: the odd-k half by two
+// shifts instead of a mask, which needs no register for the mask (see avx2_dots).
+template <bool kBf16, bool kShifts = false>
 CANN_AVX2_TARGET inline __m256 load8(const void* wv, int64_t k, int h) {
   if constexpr (kBf16) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(wv) + k));
-    return _mm256_castsi256_ps(h == 0 ? _mm256_slli_epi32(raw, 16)
-                                      : _mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    if (h == 0) return _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+    if constexpr (kShifts) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(raw, 16), 16));
+    return _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
   } else {
     return _mm256_loadu_ps(static_cast<const float*>(wv) + k + 8 * h);
   }
@@ -547,6 +549,12 @@ CANN_AVX2_TARGET inline void avx2_dots(const float* x, int64_t ldx, const void* 
   for (int s = 0; s < S; ++s)
 #pragma GCC unroll 3
     for (int r = 0; r < R; ++r) acc[s][r] = _mm256_setzero_ps();
+  // A full tile (3 x 4) fills all 16 ymm registers; bf16's mask was a 17th, and GCC kept one
+  // accumulator on the stack, a store and a reload in its chain twice per 16 k values. Two shifts
+  // need no register: the 0.6B projections in 0.85x the time at 4 rows, 0.91x at 7 (4 + 3); the
+  // smaller tiles keep the mask, one op less (1.04-1.08x slower with the shifts at 5 and 6 rows;
+  // BENCHMARKS.md, "fifty-first pass").
+  constexpr bool kShifts = R * S + R + 1 >= 16;
   const int64_t K16 = K / 16 * 16;
   for (int64_t k = 0; k < K16; k += 16) {
     prefetch_l2(pf, pfl);
@@ -555,7 +563,7 @@ CANN_AVX2_TARGET inline void avx2_dots(const float* x, int64_t ldx, const void* 
     for (int h = 0; h < 2; ++h) {  // one half at a time: 12 accumulators + 3 weights + 1 x = 16 ymm
       __m256 wr[R];
 #pragma GCC unroll 3
-      for (int r = 0; r < R; ++r) wr[r] = load8<kBf16>(w + r * ldw * wsize, k, h);
+      for (int r = 0; r < R; ++r) wr[r] = load8<kBf16, kShifts>(w + r * ldw * wsize, k, h);
 #pragma GCC unroll 4
       for (int s = 0; s < S; ++s) {
         const __m256 xv = _mm256_loadu_ps(x + s * ldx + k + 8 * h);
