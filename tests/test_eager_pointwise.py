@@ -151,6 +151,20 @@ def test_the_runner_prefill_runs_the_kernels(kernels, qwen3_ckpt, make_qwen_runn
     assert metrics == {"kernel": "cann_cpu::pointwise", "kernel_calls": 7 * layers + 1}
 
 
+def test_the_eager_decode_step_runs_in_inference_mode(qwen3_ckpt, make_qwen_runner):
+    """The eager CPU step runs in inference mode (eager_kernels.eager_step): its logits are inference
+    tensors, the KV cache it writes in place is not (made outside), and a second generate on the
+    same runner, whose prefill rewrites that cache outside inference mode, gives the same tokens."""
+    runner = make_qwen_runner(qwen3_ckpt, "model_config.exe_mode=eager", "model_config.enable_superkernel=false")
+    first = runner.generate([[5, 6, 7, 8]], 4)
+    with runner.session(1):
+        pos = torch.tensor([[4]])
+        logits = runner.decode_one(torch.tensor([[9]]), pos)
+        pos += 1  # made outside: still an ordinary tensor
+    assert logits.is_inference() and not runner.cache.k[0].is_inference()
+    assert runner.generate([[5, 6, 7, 8]], 4).token_ids == first.token_ids
+
+
 def test_no_compiler_is_one_line_and_the_reference_runs(tmp_path):
     code = (
         "import torch\n"
