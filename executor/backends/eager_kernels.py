@@ -91,14 +91,14 @@ def eager_step(step: Callable) -> Callable:
     """`step` (the eager backend's decode step on CPU) run with the kernels over the op table, in
     inference mode.
 
-    Why inference mode: an eager step is ~1,100 op calls whose host side (Python, the dispatcher,
-    autograd's bookkeeping) is a third of a 0.6B bf16 batch-1 step on 2 cores; under no_grad every
-    op still bumps version counters and records view metadata, which inference mode skips. The
-    same step took 0.883x the time (BENCHMARKS.md, "fifty-first pass"). What the step makes
-    (hidden states, logits) are inference tensors: read afterwards, never changed in place. The
-    KV cache and the positions are made outside and may be written in place inside. The compiled
-    modes keep no_grad: Dynamo guards on the grad mode, and the prefill's causal-mask memo needs a
-    version counter (executor.memo)."""
+    Why inference mode: an eager step is ~40 op calls per layer, and under no_grad each still bumps
+    version counters and records view metadata, which inference mode skips: the host-bound step
+    (bench-overhead, 8 layers) took 0.91-0.92x the time, ~0.5 ms less; at the 0.6B shape, where
+    the weights' stream dominates, the change was within the VM's noise (BENCHMARKS.md,
+    "fifty-first pass"). What the step makes (hidden states, logits) are inference tensors: read
+    afterwards, never changed in place. The KV cache and the positions are made outside and may be
+    written in place inside. The compiled modes keep no_grad: Dynamo guards on the grad mode, and
+    the prefill's causal-mask memo needs a version counter (executor.memo)."""
     table = KernelTable().functions()
 
     @functools.wraps(step)
