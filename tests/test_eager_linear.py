@@ -1,6 +1,6 @@
 """Large linears that run eagerly on CPU (executor.backends.eager_linear): fp32 GEMMs go through
 oneDNN, products of 1-4 rows in bf16 and fp32 through the `cann_cpu::gemv` kernel (AVX-512 or
-AVX2), of 3-64 rows through `cann_cpu::dot_linear` on a CPU without AMX (AVX-512 or AVX2; 3-7 in
+AVX2), of 3-64 rows through `cann_cpu::dot_linear` on a CPU without AMX (AVX-512 or AVX2; 3-11 in
 bf16 and 3-16 in fp32 on the AVX2 loop), GEMMs of more rows through `cann_cpu::rows_linear` on the
 weight as stored on a CPU without AVX-512 (bf16 where oneDNN would emulate it, and fp32), and 2-64
 bf16 rows through `cann_cpu::amx_linear` on a CPU with AMX.
@@ -65,10 +65,10 @@ def test_many_bf16_rows_go_to_the_rows_kernel_only_where_onednn_would_emulate_bf
     rows: on a CPU with AMX the AMX loop takes those of a weight of whole 64-row blocks as stored, on
     another AVX512-BF16 CPU dot_linear takes any weight as stored; where oneDNN would emulate bf16
     (an AVX2 host), the rows kernel takes a weight of whole 16-row blocks as stored (dot_linear's AVX2
-    loop only up to 7 rows)."""
+    loop only up to 11 rows)."""
     torch.manual_seed(0)
     big = torch.nn.Linear(256, LARGE).to(torch.bfloat16)
-    x = torch.randn(8, 256).to(torch.bfloat16)
+    x = torch.randn(12, 256).to(torch.bfloat16)
     mode = LinearKernel()
     with torch.no_grad():
         got = mode.linear(x, big.weight, big.bias)
@@ -80,8 +80,8 @@ def test_many_bf16_rows_go_to_the_rows_kernel_only_where_onednn_would_emulate_bf
     amx = packed_linear.amx_runs()
     assert plain == (takes and packed_linear.kernel_runs(torch.bfloat16))
     assert not (plain and amx)
-    # 8 rows: dot_linear's AVX2 loop leaves them to the rows kernel; the sliced weight is just below the size limit
-    dot = int(eager_linear.dot_runs(torch.bfloat16) and eager_linear.dot_max_rows(torch.bfloat16) >= 8)
+    # 12 rows: dot_linear's AVX2 loop leaves them to the rows kernel; the sliced weight is just below the size limit
+    dot = int(eager_linear.dot_runs(torch.bfloat16) and eager_linear.dot_max_rows(torch.bfloat16) >= 12)
     assert not (dot and (plain or amx))
     assert (mode.onednn_calls, mode.gemv_calls, mode.rows_calls, mode.amx_calls, mode.dot_calls) == (
         0,
@@ -149,9 +149,9 @@ def test_gemv_every_output_once_whatever_the_threads(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("rows", [3, 5, 6, 7, 16, 17, 32, 48, 64])
+@pytest.mark.parametrize("rows", [3, 5, 6, 7, 11, 16, 17, 32, 48, 64])
 def test_three_to_64_rows_run_dot_linear(dtype, rows):
-    """Both loops: the tiles (3-7 rows: one tile of rows, 16-17: balanced tiles; N = 4k + 3: a last
+    """Both loops: the tiles (3-7 rows: one tile of rows, 11 and 16-17: balanced tiles; N = 4k + 3: a last
     block of three weight rows; K = 250: a masked tail) and the packed-x loop (32, 48, 64 rows: 2-4
     vectors of x; the last N % (24 / vectors) weight rows on the tiles), a bias and x with strided
     rows: as close to a double-precision reference as aten's linear is."""
@@ -167,7 +167,7 @@ def test_three_to_64_rows_run_dot_linear(dtype, rows):
         got = torch.ops.cann_cpu.dot_linear(x, big.weight, big.bias)  # either loop takes 1-64 rows
         mode.linear(x, big.weight, big.bias)
         mode.linear(torch.randn(65, 250).to(dtype), big.weight, big.bias)  # past its rows: oneDNN / aten
-    routed = rows <= eager_linear.dot_max_rows(dtype)  # the AVX2 loop: 3-32 fp32 rows, 3-7 bf16 ones
+    routed = rows <= eager_linear.dot_max_rows(dtype)  # the AVX2 loop: 3-16 fp32 rows, 3-11 bf16 ones
     assert mode.dot_calls == int(routed) and mode.gemv_calls == 0
     assert mode.onednn_calls == (2 - routed) * (dtype == torch.float32)
     assert got.shape == (rows, 2 * LARGE + 3) and got.dtype == dtype
@@ -285,8 +285,9 @@ def test_bf16_takes_the_kernels_and_small_models_keep_aten(wide_ckpt, qwen3_ckpt
     )
     assert runner.prefill_kernels.linear_kernel == want_kernel
     if eager_linear.rows_run_plain(torch.bfloat16):
-        first = runner.generate([PROMPT], 1).first_logits[0].float()
-        want = hf_logits(ckpt.load_reference(wide_ckpt), PROMPT)[-1]  # fp32: bf16 is checked by cosine
+        prompt = PROMPT + [60, 61, 62, 63]  # 13 rows: past dot_linear's AVX2 loop (11 in bf16)
+        first = runner.generate([prompt], 1).first_logits[0].float()
+        want = hf_logits(ckpt.load_reference(wide_ckpt), prompt)[-1]  # fp32: bf16 is checked by cosine
         assert F.cosine_similarity(first, want, dim=0) > 0.99
         assert runner.prefill_kernels.to_metrics()["prefill_linears"]["rows_calls"] == 2  # gate_up, down
     assert make_qwen_runner(qwen3_ckpt).prefill_kernels.linear_kernel == "aten"  # every weight below the limit

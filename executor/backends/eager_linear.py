@@ -69,7 +69,7 @@ from executor.platform import cpu_runs_bf16
 
 GEMV_MAX_ROWS = 4  # the kernel's limit (csrc/gemv.cpp)
 DOT_MIN_ROWS, DOT_MAX_ROWS = 3, 64  # the rows the eager path gives dot_linear (the same source; it takes 1-64)
-AVX2_DOT_MAX_ROWS = {torch.bfloat16: 7, torch.float32: 16}  # dot_linear's AVX2 loop: see dot_max_rows
+AVX2_DOT_MAX_ROWS = {torch.bfloat16: 11, torch.float32: 16}  # dot_linear's AVX2 loop: see dot_max_rows
 GEMV_DTYPES = (torch.bfloat16, torch.float32)
 GEMV_SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cpp"
 PLAIN_COLS = 16  # rows_linear's AVX2 loop, which alone takes a weight as stored (N a multiple of it)
@@ -142,7 +142,8 @@ def dot_max_rows(dtype: torch.dtype) -> int:
     AVX2 one (AVX2_DOT_MAX_ROWS), where the rows kernel takes over on the weight as stored
     (rows_run_plain). There, in bf16, the loop widens every weight value in registers and ran the
     0.6B projections 0.74-0.90x the time of the rows kernel at 5-7 rows, level at 8, slower from 12
-    (BENCHMARKS.md, "twenty-eighth pass"); in fp32 the rows kernel, once its block packing was
+    (BENCHMARKS.md, "twenty-eighth pass"); with its full tile's spill gone, 0.93-0.99x at 8-11 rows
+    and level at 12 ("fifty-first pass"); in fp32 the rows kernel, once its block packing was
     vectorized, took 1.21-1.43x dot_linear's time at 8-12 rows, 0.94-1.06x at 16, 0.92x at 32 and
     0.72x at 64 ("fiftieth pass")."""
     return DOT_MAX_ROWS if cpu_has_avx512(dtype) else AVX2_DOT_MAX_ROWS[dtype]
@@ -207,7 +208,7 @@ def rows_run_plain(dtype: torch.dtype) -> bool:
 class LinearKernel:
     """`linear` for the op table: the GEMV kernel for 1-4 rows (gemv_max_rows) of a large CPU
     weight in bf16 or fp32, except a single fp32 row on a CPU with AMX (aten_takes_single_rows);
-    3-64 rows on dot_linear (a CPU without AMX; on its AVX2 loop 3-16 in fp32, 3-7 in bf16:
+    3-64 rows on dot_linear (a CPU without AMX; on its AVX2 loop 3-16 in fp32, 3-11 in bf16:
     dot_max_rows); for more rows the rows kernel on a CPU without AVX-512 (in bf16 also where oneDNN
     would emulate it: rows_run_plain), else oneDNN in fp32 and in bf16 the AMX loop (2-64 rows, a
     CPU with AMX); the reference otherwise. The counts are
@@ -251,7 +252,7 @@ def kernel_for(model: torch.nn.Module, device: torch.device, dtype: torch.dtype)
     "gemv+dot_linear" (bf16 on an AVX512-BF16 CPU without AMX), "onednn" (fp32 elsewhere), "gemv"
     (bf16: its few-row products), "gemv+amx_linear" (bf16 on a CPU with AMX: the AMX loop takes
     2-64 rows), "gemv+dot_linear+rows_linear" (bf16 where oneDNN would emulate it: dot_linear's AVX2
-    loop takes 3-7 rows, the rows kernel more), "gemv+rows_linear" (the same without AVX2 for
+    loop takes 3-11 rows, the rows kernel more), "gemv+rows_linear" (the same without AVX2 for
     dot_linear) or "aten" (another device or dtype, or no weight large enough). Asking builds no
     kernel."""
     large = any(p.dim() == 2 and p.numel() >= packed_linear.MIN_WEIGHT_NUMEL for p in model.parameters())
