@@ -551,7 +551,7 @@ CANN_AVX2_TARGET inline void avx2_dots(const float* x, int64_t ldx, const void* 
     for (int r = 0; r < R; ++r) acc[s][r] = _mm256_setzero_ps();
   // A full tile (3 x 4) fills all 16 ymm registers; bf16's mask was a 17th, and GCC kept one
   // accumulator on the stack, a store and a reload in its chain twice per 16 k values. Two shifts
-  // need no register: the 0.6B projections in 0.85x the time at 4 rows, 0.91x at 7 (4 + 3); the
+  // need no register: the 0.6B projections in 0.79x the time at 4 rows, 0.87x at 7 (4 + 3); the
   // smaller tiles keep the mask, one op less (1.04-1.08x slower with the shifts at 5 and 6 rows;
   // BENCHMARKS.md, "fifty-first pass").
   constexpr bool kShifts = R * S + R + 1 >= 16;
