@@ -88,6 +88,28 @@ def test_swiglu_and_rotary_match_the_reference(kernels, dtype):
     assert fns.calls == 3
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp32"])
+def test_kv_update_writes_what_the_reference_writes(kernels, dtype):
+    """The cache writes: a prefill's rows into a view of the full cache (rows 1-2, every slot), then
+    new K given as (B, H, S, D) views of (B, S, H, D) memory at slots that differ per row: bit-equal
+    to the reference's index_put_, in place; a slot past the cache is an error, as there."""
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(3, 2, 40, 64, generator=g).to(dtype)
+    mine, want = full.clone(), full.clone()
+    fns = PointwiseKernels()
+    new = torch.randn(2, 2, 5, 64, generator=g).to(dtype)
+    pos = torch.tensor([[0, 1, 2, 3, 4], [0, 1, 2, 3, 4]])
+    assert fns.kv_update(mine[1:3], new, pos).data_ptr() == mine[1:3].data_ptr()
+    reference.kv_update(want[1:3], new, pos)
+    strided = torch.randn(2, 5, 2, 64, generator=g).to(dtype).transpose(1, 2)
+    pos = torch.tensor([[7, 8, 9, 10, 11], [39, 20, 5, 6, 30]])
+    fns.kv_update(mine[1:3], strided, pos)
+    reference.kv_update(want[1:3], strided, pos)
+    assert torch.equal(mine, want) and fns.calls == 2
+    with pytest.raises(RuntimeError, match="slot 40 outside"):
+        fns.kv_update(mine[1:3], strided, pos + 1)
+
+
 def test_calls_the_kernels_do_not_take_run_the_reference(kernels):
     fns = PointwiseKernels()
     half = torch.randn(4, 64).half()
@@ -113,7 +135,8 @@ def test_over_reference_replaces_only_reference_entries_and_restores_them():
     assert now["swiglu"] == before["swiglu"]
     assert now["rms_norm"].startswith("executor.backends.eager_pointwise.")
     assert now["linear"].startswith("executor.backends.eager_linear.")
-    assert now["kv_update"] == before["kv_update"]  # not one the kernels provide
+    assert now["kv_update"].startswith("executor.backends.eager_pointwise.")
+    assert now["moe_gating_top_k_softmax"] == before["moe_gating_top_k_softmax"]  # not one the kernels provide
     with pytest.raises(ValueError, match="unknown ops"), ops.over_reference({"softmax": reference.swiglu}):
         pass
 
@@ -147,8 +170,8 @@ def test_the_runner_prefill_runs_the_kernels(kernels, qwen3_ckpt, make_qwen_runn
     runner.generate([[5, 6, 7, 8]], 2)
     metrics = runner.prefill_kernels.to_metrics()["prefill_pointwise"]
     layers = runner.arch.num_layers
-    # per layer: input norm, q and k norms, two RoPEs, add + norm, SwiGLU; then the final norm
-    assert metrics == {"kernel": "cann_cpu::pointwise", "kernel_calls": 7 * layers + 1}
+    # per layer: input norm, q and k norms, two RoPEs, K and V written, add + norm, SwiGLU; then the final norm
+    assert metrics == {"kernel": "cann_cpu::pointwise", "kernel_calls": 9 * layers + 1}
 
 
 def test_the_eager_decode_step_runs_in_inference_mode(qwen3_ckpt, make_qwen_runner):

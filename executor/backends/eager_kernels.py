@@ -7,7 +7,8 @@ that are still the reference's own functions (executor.ops.over_reference) are t
   `cann_cpu::rows_linear` for more rows in bf16 where oneDNN would emulate it
   (executor.backends.eager_linear);
 - `attention`: `cann_cpu::causal_attention` for the bf16 causal prefill (eager_attention);
-- `rms_norm`, `add_rms_norm`, `swiglu`, `rotary_mul`: one pass each (eager_pointwise).
+- `rms_norm`, `add_rms_norm`, `swiglu`, `rotary_mul`: one pass each; `kv_update`: row copies
+  (eager_pointwise).
 Each takes only the calls it computes as the reference does and hands the others to the
 reference. An entry that another table set (NPU, a custom op of model_config.custom_ops) stays.
 

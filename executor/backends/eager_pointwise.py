@@ -1,4 +1,4 @@
-"""The eager CPU path's norms, SwiGLU and RoPE: one kernel pass each instead of the reference's 4-8 aten calls.
+"""The eager CPU path's norms, SwiGLU, RoPE and KV-cache writes: one kernel call each, not 4-8 aten calls.
 
 Why: executor.ops' reference functions are written in plain PyTorch so that they run everywhere
 and Inductor can fuse them into a compiled decode step. Run eagerly, each is several passes over
@@ -6,7 +6,9 @@ memory with dtype casts and temporaries in between. `csrc/pointwise.cpp` compute
 pass, rounding where the reference rounds (bf16 results were bit-equal to the reference's on
 random inputs; a norm may differ by one rounding where its sum is ordered differently). At the
 Qwen3-0.6B shape with a 128-token prompt one layer's calls took 0.61-0.81x the reference's time
-and the bf16 prefill 0.94x (BENCHMARKS.md, "thirteenth pass").
+and the bf16 prefill 0.94x (BENCHMARKS.md, "thirteenth pass"). The KV-cache write (the reference's
+index_put_ with two aranges for its indices) is row copies: the host-bound eager step took 0.86-0.90x
+the time ("fifty-first pass").
 
 What runs through here: the runner's eager prefill and the eager backend's decode step on CPU
 (executor.backends.eager_kernels installs these over the op table's reference entries). A call
@@ -28,13 +30,14 @@ from executor.ops import reference
 
 KERNEL_SOURCE = Path(__file__).resolve().parent / "csrc" / "pointwise.cpp"
 DTYPES = (torch.bfloat16, torch.float32)
-OPS = ("rms_norm", "add_rms_norm", "swiglu", "rotary_mul")
+OPS = ("rms_norm", "add_rms_norm", "swiglu", "rotary_mul", "kv_update")
 
 _lib = torch.library.Library("cann_cpu", "FRAGMENT")  # the namespace is defined by packed_linear
 _lib.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
 _lib.define("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)")
 _lib.define("swiglu(Tensor x) -> Tensor")
 _lib.define("rotary_mul(Tensor x, Tensor cos, Tensor sin) -> Tensor")
+_lib.define("kv_update(Tensor(a!) cache, Tensor new, Tensor positions) -> Tensor(a!)")
 
 
 @functools.cache
@@ -62,7 +65,7 @@ def qualifies(*tensors: torch.Tensor) -> bool:
 
 
 class PointwiseKernels:
-    """The four op-table functions on the kernels, counting the calls they take."""
+    """The five op-table functions on the kernels, counting the calls they take."""
 
     def __init__(self):
         self.calls = 0
@@ -98,6 +101,12 @@ class PointwiseKernels:
             if self._take(x, cos_x, sin_x):
                 return torch.ops.cann_cpu.rotary_mul(x, cos_x, sin_x)
         return reference.rotary_mul(x, cos, sin)
+
+    def kv_update(self, cache, new, positions):
+        shapes = cache.dim() == new.dim() == 4 and positions.dim() == 2 and positions.dtype == torch.long
+        if shapes and positions.device.type == "cpu" and self._take(cache, new):
+            return torch.ops.cann_cpu.kv_update(cache, new, positions)
+        return reference.kv_update(cache, new, positions)
 
     def table(self) -> dict[str, Callable]:
         return {name: getattr(self, name) for name in OPS}

@@ -1,5 +1,5 @@
-// CPU kernels of cann_cpu::rms_norm, add_rms_norm, swiglu and rotary_mul (schemas and use:
-// executor/backends/eager_pointwise.py).
+// CPU kernels of cann_cpu::rms_norm, add_rms_norm, swiglu, rotary_mul and kv_update (schemas and
+// use: executor/backends/eager_pointwise.py).
 //
 // Each computes its executor.ops reference function (executor/ops/reference.py) in one pass over
 // its rows, rounding where the reference rounds: every intermediate the reference holds as a
@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <numeric>
 #include <tuple>
@@ -299,6 +300,35 @@ at::Tensor rotary_mul(const at::Tensor& x, const at::Tensor& cos, const at::Tens
   return y;
 }
 
+// The reference's kv_update as row copies: cache (B, Hkv, T, D) gets src (B, Hkv, S, D) at slots
+// positions (B, S), in place; any strides with contiguous rows (a prefill writes into a view of the
+// full cache). The reference is an index_put_ with two aranges for its indices, ~6 op calls per K
+// or V per layer; a slot outside the cache is an error, as index_put_'s.
+at::Tensor kv_update(at::Tensor cache, const at::Tensor& src, const at::Tensor& positions) {
+  TORCH_CHECK(cache.dim() == 4 && src.dim() == 4 && positions.dim() == 2, "kv_update: cache and new must be 4-d, positions 2-d");
+  TORCH_CHECK(cache.scalar_type() == src.scalar_type(), "kv_update: cache and new must have one dtype");
+  TORCH_CHECK(cache.stride(3) == 1 && src.stride(3) == 1, "kv_update: rows must be contiguous");
+  TORCH_CHECK(positions.scalar_type() == at::kLong, "kv_update: positions must be int64");
+  const int64_t B = src.size(0), H = src.size(1), S = src.size(2), D = src.size(3), T = cache.size(2);
+  TORCH_CHECK(cache.size(0) == B && cache.size(1) == H && cache.size(3) == D && positions.size(0) == B &&
+                  positions.size(1) == S,
+              "kv_update: shapes do not match: cache ", cache.sizes(), ", new ", src.sizes(), ", positions ",
+              positions.sizes());
+  const at::Tensor pos = positions.contiguous();
+  const int64_t* p = pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * S; ++i) TORCH_CHECK(p[i] >= 0 && p[i] < T, "kv_update: slot ", p[i], " outside 0..", T - 1);
+  const int64_t row = D * cache.element_size();
+  char* dst = static_cast<char*>(cache.data_ptr());
+  const char* from = static_cast<const char*>(src.data_ptr());
+  const int64_t e = cache.element_size();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t s = 0; s < S; ++s)
+        std::memcpy(dst + (b * cache.stride(0) + h * cache.stride(1) + p[b * S + s] * cache.stride(2)) * e,
+                    from + (b * src.stride(0) + h * src.stride(1) + s * src.stride(2)) * e, row);
+  return cache;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(cann_cpu, CPU, m) {
@@ -306,4 +336,5 @@ TORCH_LIBRARY_IMPL(cann_cpu, CPU, m) {
   m.impl("add_rms_norm", add_rms_norm);
   m.impl("swiglu", swiglu);
   m.impl("rotary_mul", rotary_mul);
+  m.impl("kv_update", kv_update);
 }
