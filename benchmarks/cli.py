@@ -41,15 +41,33 @@ def name_list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+# Packages a benchmark needs beyond what `bash infer.sh` installs, and why: the test extras bring them.
+OPTIONAL = {
+    "transformers": "the reference peer, and the writer of the benchmark's random checkpoint (save_pretrained)",
+}
+
+
 def guarded(main: Callable[[], int]) -> int:
     """Run a benchmark's main: a RecipeError (an unknown size or recipe, a bad config value, a
-    missing checkpoint) is its one line and exit 2, as in infer.sh and the tools."""
+    missing checkpoint) is its one line and exit 2, as in infer.sh and the tools. So is a package
+    of OPTIONAL that is not installed: after `bash infer.sh` alone, decode_bench stopped with a
+    ModuleNotFoundError traceback from inside make_checkpoint."""
     from executor.errors import RecipeError  # here, not at the top: see the module docstring
 
     try:
         return main()
     except RecipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        top = (exc.name or "").split(".")[0]
+        if top not in OPTIONAL:
+            raise
+        print(
+            f"error: this benchmark needs {top} ({OPTIONAL[top]}), which is not installed;"
+            " install the test extras: pip install -e '.[test]'",
+            file=sys.stderr,
+        )
         return 2
 
 

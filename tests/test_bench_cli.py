@@ -111,3 +111,25 @@ def test_an_unknown_size_or_recipe_is_one_line(bench, argv, said, capsys):
     assert guarded(lambda: bench.main(argv)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and said in err[0], err
+
+
+# The benchmark run as its command, in a Python where transformers cannot be imported (None in
+# sys.modules is what Python's own import system reads as "not installed": ModuleNotFoundError).
+WITHOUT_TRANSFORMERS = (
+    "import runpy, sys; sys.modules['transformers'] = None; sys.argv = sys.argv[1:]; "
+    "runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
+@pytest.mark.parametrize("script", ["decode_bench.py", "prefill_bench.py"])
+def test_a_benchmark_without_transformers_says_how_to_install_it(script):
+    """After `bash infer.sh` alone (no test extras), decode_bench stopped with a traceback from
+    make_checkpoint; it must say what is missing and the install command, exit 2."""
+    argv = ["--size", "debugmodel", "--no-hf"] if script == "decode_bench.py" else ["--size", "debugmodel"]
+    proc = subprocess.run(
+        [sys.executable, "-c", WITHOUT_TRANSFORMERS, f"benchmarks/{script}", *argv],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert err[-1].startswith("error: this benchmark needs transformers (") and "pip install -e '.[test]'" in err[-1]
