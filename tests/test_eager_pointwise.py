@@ -119,6 +119,10 @@ def test_calls_the_kernels_do_not_take_run_the_reference(kernels):
     assert y.requires_grad
     columns = torch.randn(64, 4).t()  # rows not contiguous
     torch.testing.assert_close(fns.rms_norm(columns, w.detach(), 1e-6), reference.rms_norm(columns, w.detach(), 1e-6))
+    mixed = torch.randn(4, 64).bfloat16()  # x in bf16, its weight in fp32: the kernels take one dtype
+    torch.testing.assert_close(fns.rms_norm(mixed, w.detach(), 1e-6), reference.rms_norm(mixed, w.detach(), 1e-6))
+    meta = torch.empty(4, 64, device="meta")  # not a CPU tensor
+    assert fns.rms_norm(meta, torch.empty(64, device="meta"), 1e-6).device.type == "meta"
     assert fns.calls == 0
 
 
