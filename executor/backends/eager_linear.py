@@ -109,9 +109,10 @@ def gemv_runs(dtype: torch.dtype) -> bool:
 
 
 def _large(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """A CPU linear with a weight worth a kernel call, nothing to differentiate."""
+    """A CPU linear with a weight worth a kernel call, nothing to differentiate (`is_cpu`: reading
+    `device.type` makes a device object per call, eager_pointwise.qualifies)."""
     return (
-        x.device.type == "cpu"
+        x.is_cpu
         and x.dtype == weight.dtype
         and weight.dim() == 2
         and weight.numel() >= packed_linear.MIN_WEIGHT_NUMEL
