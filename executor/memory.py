@@ -328,12 +328,13 @@ def check_run(
     """Estimate and check in one call (the runner and the tools' pre-flight use this).
 
     A run that does not fit is estimated again after a full garbage collection before it is
-    refused. Why: a freed runner that compiled a graph is held by reference cycles (dynamo's and
-    FX's objects point at each other and at the weights) until the collector's rare full pass;
+    refused. Why: a freed runner is held by reference cycles (its thread governor keeps its bound
+    `log`, its compiled step the bound `_decode_step`, and dynamo's and FX's objects point at each
+    other and at the weights), so it and its weights stay until the collector's rare full pass;
     decode_bench's batch sweep found 13 GB of 23 still resident after freeing the three runners
     of batch 4 at the 0.6B shape, and a later batch was refused with 6.4 GB said to be free
     (BENCHMARKS.md, "fifty-third pass"). Not done for a run that fits: a full collection after a
-    compile walks ~0.5M objects (0.5-1 s here)."""
+    compile walks 0.4-0.6M objects (0.45-1.07 s here)."""
     est = estimate(arch, cfg, kind, params, dtype, layout, ranks_here)
     if est.checked and est.needed_here > est.available:
         collected = gc.collect()

@@ -242,7 +242,8 @@ def test_the_memory_check_collects_garbage_before_it_refuses(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     short_mb, source = out.stdout.strip().splitlines()[-2:]
-    assert 512 <= int(short_mb) < 768, short_mb  # refused had the garbage stayed
+    # refused had the garbage stayed; fits once its 1 GiB is free (with room for MemAvailable's moves)
+    assert 128 <= int(short_mb) < 896, short_mb
     assert "read after a full garbage collection" in source, source
 
 
