@@ -54,7 +54,6 @@ ready, median of 200), summed, and divided by the step time.
 from __future__ import annotations
 
 import argparse
-import gc
 import itertools
 import statistics
 import sys
@@ -73,6 +72,7 @@ from benchmarks.cli import guarded, int_list, paired  # noqa: E402
 from executor.arch import ModelArch, arch_from_dict, named_size  # noqa: E402
 from executor.backends import eager_linear, packed_linear  # noqa: E402
 from executor.config import load_config  # noqa: E402
+from executor.memory import forget_runners  # noqa: E402
 from executor.parallel import launch, runtime  # noqa: E402
 from executor.platform import Platform, detect, timer  # noqa: E402
 from executor.registry import default_config, runner_class  # noqa: E402
@@ -274,7 +274,7 @@ def hf_decode(
     deltas = [(b - a) * 1e3 for a, b in itertools.pairwise(stamp.times)]
     tokens = out[:, ids.shape[1] :].tolist()
     del model
-    forget()
+    forget_runners()
     name = "transformers static cache + torch.compile" if compiled else "transformers eager generate"
     return Row(name, statistics.median(deltas), compile_s, tokens, read_gbs=rates[0], tflops=rates[1])
 
@@ -292,14 +292,6 @@ class Built:
     name: str
     runner: object
     compile_s: float | None  # the first call (Dynamo + Inductor, cold); None for eager
-
-
-def forget() -> None:
-    """Drop dynamo's compiled graphs and collect the freed models now: reference cycles hold a freed
-    runner and its weights until a full collection, and a sweep then built its next batch beside
-    the last one's three runners (13 GB of 23 at the 0.6B shape; executor.memory.check_run)."""
-    torch._dynamo.reset()
-    gc.collect()
 
 
 def build_ours(
@@ -355,7 +347,7 @@ def our_decode(
     calls = list(built.runner.parallel.log.calls)  # the collectives of one decode step
     row = Row(built.name, statistics.median(gen.decode_ms), built.compile_s, gen.token_ids, calls, *rates)
     del built
-    forget()
+    forget_runners()
     return row
 
 
@@ -387,7 +379,7 @@ def our_rounds(
         round_ms = tuple(statistics.median(g.decode_ms) for g in runs)
         rows.append(Row(b.name, ms, b.compile_s, tokens, [], read_gbs, tflops, round_ms=round_ms))
     built.clear()
-    forget()
+    forget_runners()
     return rows
 
 

@@ -316,6 +316,15 @@ def check(est: MemoryEstimate) -> None:
     )
 
 
+def forget_runners() -> None:
+    """Drop dynamo's compiled graphs and collect the runners freed since: reference cycles hold a
+    freed runner and its weights until a full collection (check_run), so a process that builds
+    runners in turn frees each one's memory before it builds the next. Not for a process that
+    keeps a compiled runner it will call again: its graphs would be compiled anew."""
+    torch._dynamo.reset()
+    gc.collect()
+
+
 def check_run(
     arch: ModelArch,
     cfg: RunConfig,
@@ -354,5 +363,6 @@ __all__ = [
     "check_run",
     "count_parameters",
     "estimate",
+    "forget_runners",
     "measured_peak",
 ]

@@ -430,10 +430,9 @@ def generate_in_process(
     needs the logits that a log cannot carry; the decode step is compiled exactly as a run
     compiles it.
     """
-    import gc
     import io
 
-    import torch
+    from executor.memory import forget_runners
 
     runner = runner_cls(cfg, platform, None, io.StringIO())
     try:
@@ -443,8 +442,7 @@ def generate_in_process(
         return gen, runner.model.regions(), prompt_ids, ppl
     finally:
         del runner
-        torch._dynamo.reset()  # drop the compiled step (and its memory) before the next candidate
-        gc.collect()
+        forget_runners()  # the compiled step and the runner's memory freed before the next candidate
 
 
 def generate(

@@ -14,7 +14,6 @@ instead (executor.accuracy.measure_side, for tools/accuracy.py on a multi-rank c
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib
 import io
 import json
@@ -29,6 +28,7 @@ import torch
 from executor import accuracy, ops
 from executor.config import ConfigError, load_config
 from executor.errors import run_command
+from executor.memory import forget_runners
 from executor.parallel import runtime
 from executor.platform import detect
 from executor.registry import runner_class
@@ -46,8 +46,7 @@ def run_job(job: dict, console) -> dict | None:
         return result if runtime.is_first() else None
     finally:
         del runner
-        torch._dynamo.reset()  # drop the compiled step before the next job
-        gc.collect()
+        forget_runners()  # the compiled step and the runner's memory freed before the next job
 
 
 def accuracy_side(runner, spec: dict, console) -> dict:
