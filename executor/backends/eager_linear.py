@@ -180,14 +180,24 @@ def aten_takes_single_rows(dtype: torch.dtype) -> bool:
 def gemv_in_graphs(dtype: torch.dtype) -> bool:
     """A compiled decode graph's large single-row linears call the GEMV kernel instead of becoming
     Inductor's generated reductions (executor.backends.graph_passes): bf16 on a CPU without
-    AVX512-BF16 or AMX, and bf16 on one with AMX. On an AVX2 host the reduction widened bf16 in
-    generated code at 15-19 GB/s even from cache, below the read bandwidth, while the kernel read
-    the 0.6B shape's weights at 25-60 (BENCHMARKS.md, "nineteenth pass"); on the AMX host the bf16
-    batch-1 ge_graph step took 51 ms with the kernel against 55 with the reductions ("twenty-fifth
-    pass"). On AMD's AVX512-BF16 hosts, and in fp32 everywhere (on the AMX host the fp32 step took
-    112 ms with the kernel, 85 without), the reduction keeps up with memory and stays (one kernel
-    fewer to call per projection)."""
-    return dtype == torch.bfloat16 and (not cpu_runs_bf16() or cpu_has_amx()) and gemv_runs(dtype)
+    AVX512-BF16 or AMX, bf16 on one with AMX, and fp32 on a CPU without AVX-512.
+    - bf16, AVX2 host: the reduction widened bf16 in generated code at 15-19 GB/s even from
+      cache, below the read bandwidth, while the kernel read the 0.6B shape's weights at 25-60
+      (BENCHMARKS.md, "nineteenth pass").
+    - bf16, AMX host: the batch-1 ge_graph step took 51 ms with the kernel against 55 with the
+      reductions ("twenty-fifth pass").
+    - fp32, AVX2 host (Zen 3): the kernel's AVX2 loop, whose threads take each other's leftover
+      blocks, ran the 0.6B batch-1 ge_graph step in 0.96x the reductions' time (faster in 29 of
+      40 alternating rounds; 0.99x in 9 at the forty-ninth pass) and the SK decoder step in 0.89x
+      (28 of 30; "fifty-fourth pass").
+    - Elsewhere the reduction stays (one kernel fewer to call per projection): on AMD's
+      AVX512-BF16 hosts it keeps up with memory in bf16, and on the AMX host the fp32 step took
+      112 ms with the kernel, 85 without. fp32 on AVX-512 hosts without AMX was not measured."""
+    if not gemv_runs(dtype):
+        return False
+    if dtype == torch.bfloat16:
+        return not cpu_runs_bf16() or cpu_has_amx()
+    return dtype == torch.float32 and not cpu_has_avx512(dtype)
 
 
 @functools.cache

@@ -50,8 +50,8 @@ def _gemv_to_reduction(gm: torch.fx.GraphModule, decomposes_small: bool = False,
     input row is materialised first (Inductor's force_stride_order copy): left to Inductor, the
     norm before a projection was recomputed inside the reduction per weight row, which made the
     bf16 0.6B-shape step compute-bound (SK decoder 63 -> 37 ms/step once stored; BENCHMARKS.md).
-    In bf16 on a CPU without native bf16 (an AVX2 host) the large ones call the GEMV kernel
-    instead (`cann_cpu::gemv`; eager_linear.gemv_in_graphs says why).
+    Where the GEMV kernel streams faster (bf16 without native bf16, fp32 without AVX-512: an AVX2
+    host) the large ones call it instead (`cann_cpu::gemv`; eager_linear.gemv_in_graphs says why).
 
     On CUDA (`device`) every single-row linear is rewritten, small ones too: there Inductor sends
     each to cuBLAS, whose M = 1 kernels read the 0.6B shape's 4-13 MB projections at 0.7-2.2 TB/s
