@@ -152,10 +152,9 @@ def test_a_large_gemv_calls_the_kernel_where_it_streams_faster(superkernel, dtyp
     """On a CPU without AVX512-BF16 or AMX (an AVX2 host) a large single-row bf16 linear becomes a
     `cann_cpu::gemv` call, not a reduction: Inductor's widened bf16 reduction ran below the read
     bandwidth there; so does an fp32 one on a CPU without AVX-512 (the kernel's step was faster).
-    Elsewhere it stays a reduction over the input row stored first (in bf16 stored, then widened
-    to fp32 and stored again, not converted per weight row, its result rounded back to bf16).
-    Either compiles to the same result, and the kernel call joins a SuperKernel scope's launch
-    unit."""
+    Elsewhere it stays a reduction over the input row stored first (a bf16 row stored, widened to
+    fp32 and stored again, not converted per weight row; the result rounded back to bf16). Either
+    compiles to the same result, and the kernel call joins a SuperKernel scope's launch unit."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(256, 3 * INDUCTOR_DECOMPOSE_MAX_DIM).to(dtype)
     x = torch.randn(1, 1, 256).to(dtype)

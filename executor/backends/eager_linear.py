@@ -193,11 +193,11 @@ def gemv_in_graphs(dtype: torch.dtype) -> bool:
     - Elsewhere the reduction stays (one kernel fewer to call per projection): on AMD's
       AVX512-BF16 hosts it keeps up with memory in bf16, and on the AMX host the fp32 step took
       112 ms with the kernel, 85 without. fp32 on AVX-512 hosts without AMX was not measured."""
-    if not gemv_runs(dtype):
-        return False
     if dtype == torch.bfloat16:
-        return not cpu_runs_bf16() or cpu_has_amx()
-    return dtype == torch.float32 and not cpu_has_avx512(dtype)
+        wanted = not cpu_runs_bf16() or cpu_has_amx()
+    else:
+        wanted = dtype == torch.float32 and not cpu_has_avx512(dtype)
+    return wanted and gemv_runs(dtype)  # asked last: it builds the kernel where it is not built yet
 
 
 @functools.cache
