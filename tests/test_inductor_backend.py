@@ -56,14 +56,18 @@ def test_only_single_row_linears_above_inductors_own_limit_are_rewritten():
     assert [n.target for n in gm.graph.nodes].count(force) == 1
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("launch_unit", [False, True])
-def test_a_gemv_inductor_decomposes_is_rewritten_only_where_it_does_not(launch_unit):
+def test_a_gemv_inductor_decomposes_is_rewritten_only_where_it_does_not(launch_unit, dtype):
     # 2048 x 512: within Inductor's decomposition limits, above the size left to sgemv elsewhere
-    mid = torch.nn.Linear(512, packed_linear.MIN_WEIGHT_NUMEL // 512, bias=False)
+    mid = torch.nn.Linear(512, packed_linear.MIN_WEIGHT_NUMEL // 512, bias=False).to(dtype)
     assert max(mid.weight.shape) <= INDUCTOR_DECOMPOSE_MAX_DIM
-    gm = _trace(lambda x: mid(x), torch.randn(1, 1, 512))
-    # where the GEMV kernel takes large fp32 rows (an AVX2 host) it takes this one in a launch unit too
-    kernel = eager_linear.gemv_in_graphs(torch.float32)
+    gm = _trace(lambda x: mid(x), torch.randn(1, 1, 512).to(dtype))
+    # where the GEMV kernel takes large fp32 rows (an AVX2 host) it takes this one in a launch unit
+    # too; a bf16 one it takes in a launch unit wherever it runs (its C++ wrapper calls it)
+    kernel = eager_linear.gemv_in_graphs(dtype, launch_unit)
+    if dtype == torch.bfloat16 and launch_unit:
+        assert kernel == eager_linear.gemv_runs(dtype)
     assert _gemv_to_reduction(gm, decomposes_small=launch_unit) == (0 if launch_unit and not kernel else 1)
     assert [n.target for n in gm.graph.nodes].count(torch.ops.cann_cpu.gemv.default) == int(kernel)
 

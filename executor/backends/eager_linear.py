@@ -177,24 +177,31 @@ def aten_takes_single_rows(dtype: torch.dtype) -> bool:
 
 
 @functools.cache
-def gemv_in_graphs(dtype: torch.dtype) -> bool:
+def gemv_in_graphs(dtype: torch.dtype, launch_unit: bool = False) -> bool:
     """A compiled decode graph's large single-row linears call the GEMV kernel instead of becoming
     Inductor's generated reductions (executor.backends.graph_passes): bf16 on a CPU without
-    AVX512-BF16 or AMX, bf16 on one with AMX, and fp32 on a CPU without AVX-512.
+    AVX512-BF16 or AMX, bf16 on one with AMX, bf16 inside a SuperKernel launch unit (`launch_unit`)
+    on any CPU the kernel runs on, and fp32 on a CPU without AVX-512.
     - bf16, AVX2 host: the reduction widened bf16 in generated code at 15-19 GB/s even from
       cache, below the read bandwidth, while the kernel read the 0.6B shape's weights at 25-60
       (BENCHMARKS.md, "nineteenth pass").
     - bf16, AMX host: the batch-1 ge_graph step took 51 ms with the kernel against 55 with the
       reductions ("twenty-fifth pass").
+    - bf16 in a launch unit, AVX512-BF16 host (Zen 5): the 0.6B batch-1 SK decoder step took
+      0.89-0.91x the time with the kernel in its unit (faster in 21 and 24 of 24 alternating
+      rounds), while plain ge_graph with the kernel everywhere took 1.05-1.12x ("fifty-fifth pass").
+      My guess at why (not profiled): the unit calls the kernel from its C++ wrapper, a plain
+      graph from Python, its kernels split around every call. The Zen 4 kind was not measured.
     - fp32, AVX2 host (Zen 3): the kernel's AVX2 loop, whose threads take each other's leftover
       blocks, ran the 0.6B batch-1 ge_graph step in 0.96x the reductions' time (faster in 29 of
       40 alternating rounds; 0.99x in 9 at the forty-ninth pass) and the SK decoder step in 0.89x
       (28 of 30; "fifty-fourth pass").
     - Elsewhere the reduction stays (one kernel fewer to call per projection): on AMD's
-      AVX512-BF16 hosts it keeps up with memory in bf16, and on the AMX host the fp32 step took
-      112 ms with the kernel, 85 without. fp32 on AVX-512 hosts without AMX was not measured."""
+      AVX512-BF16 hosts a plain graph's reduction keeps up with memory in bf16; in fp32 on the
+      Zen 5 host the kernel took 1.09x the ge_graph step's time and 1.00x SK decoder's
+      ("fifty-fifth pass"), and on the AMX host the fp32 step took 112 ms with it, 85 without."""
     if dtype == torch.bfloat16:
-        wanted = not cpu_runs_bf16() or cpu_has_amx()
+        wanted = launch_unit or not cpu_runs_bf16() or cpu_has_amx()
     else:
         wanted = dtype == torch.float32 and not cpu_has_avx512(dtype)
     return wanted and gemv_runs(dtype)  # asked last: it builds the kernel where it is not built yet

@@ -51,7 +51,8 @@ def _gemv_to_reduction(gm: torch.fx.GraphModule, decomposes_small: bool = False,
     norm before a projection was recomputed inside the reduction per weight row, which made the
     bf16 0.6B-shape step compute-bound (SK decoder 63 -> 37 ms/step once stored; BENCHMARKS.md).
     Where the GEMV kernel streams faster (bf16 without native bf16, fp32 without AVX-512: an AVX2
-    host) the large ones call it instead (`cann_cpu::gemv`; eager_linear.gemv_in_graphs says why).
+    host; bf16 in a launch unit) the large ones call it instead (`cann_cpu::gemv`;
+    eager_linear.gemv_in_graphs says why).
 
     On CUDA (`device`) every single-row linear is rewritten, small ones too: there Inductor sends
     each to cuBLAS, whose M = 1 kernels read the 0.6B shape's 4-13 MB projections at 0.7-2.2 TB/s
@@ -74,7 +75,13 @@ def _gemv_to_reduction(gm: torch.fx.GraphModule, decomposes_small: bool = False,
         if not isinstance(value, torch.Tensor) or value.numel() != value.shape[-1] or weight is None:
             continue
         large = weight.numel() >= MIN_WEIGHT_NUMEL and weight.dim() == 2
-        if cpu and large and value.dtype == weight.dtype and weight.stride(-1) == 1 and gemv_in_graphs(weight.dtype):
+        if (
+            cpu
+            and large
+            and value.dtype == weight.dtype
+            and weight.stride(-1) == 1
+            and gemv_in_graphs(weight.dtype, decomposes_small)
+        ):
             call_instead(gm, node, torch.ops.cann_cpu.gemv.default)
             rewritten += 1
             continue
