@@ -80,7 +80,7 @@ def _gemv_to_reduction(gm: torch.fx.GraphModule, decomposes_small: bool = False,
             and large
             and value.dtype == weight.dtype
             and weight.stride(-1) == 1
-            and gemv_in_graphs(weight.dtype, decomposes_small)
+            and gemv_in_graphs(weight.dtype, launch_unit=decomposes_small)
         ):
             call_instead(gm, node, torch.ops.cann_cpu.gemv.default)
             rewritten += 1
