@@ -182,14 +182,27 @@ def _cpu_name() -> str:
 
 
 def cpu_runs_bf16() -> bool:
-    """This CPU multiplies bf16 natively (AVX512-BF16 or AMX, what oneDNN needs). Without it aten's
-    bf16 matmuls convert on the fly: on an AVX2-only host the 0.6B batch-4 bf16 decode step took
-    1.7x the fp32 one (BENCHMARKS.md, seventeenth pass), so a bf16 run there is told so. (The large
-    projections of the prefill and of every decode step now run AVX2 kernels of ours there instead,
-    "eighteenth" and "nineteenth pass"; attention and small weights still pay.)"""
+    """This CPU multiplies bf16 natively (AVX512-BF16 or AMX on x86). Without it aten's bf16 matmuls
+    convert on the fly: on an AVX2-only host the 0.6B batch-4 bf16 decode step took 1.7x the fp32
+    one (BENCHMARKS.md, seventeenth pass), so a bf16 run there is told so. (The large projections of
+    the prefill and of every decode step now run AVX2 kernels of ours there instead, "eighteenth"
+    and "nineteenth pass"; attention and small weights still pay.)
+
+    oneDNN's own answer (`_is_mkldnn_bf16_supported`) is not enough on x86: it says yes on any
+    AVX-512 core (BW, VL, DQ), where it emulates bf16. On such a CPU without AVX512-BF16 (an Intel
+    Xeon, Ice Lake) its packed bf16 products read the 0.6B shape's weights at 0.28 / 0.13 / 0.04 of
+    a sum's rate at 4 / 16 / 64 rows, where the AVX2 loop of ours read 0.83 / 0.39 / 0.09, and the
+    batch-1 ge_graph step took 0.93x the time with the GEMV kernel in place of the reductions
+    (BENCHMARKS.md, "fifty-sixth pass")."""
+    import platform as host
+
     import torch
 
-    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if not (torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())):
+        return False
+    if host.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return True  # Arm: oneDNN's check asks for the bf16 instructions themselves
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def detect(device: str = "auto") -> Platform:

@@ -250,3 +250,22 @@ def test_a_bf16_run_on_a_cpu_without_native_bf16_says_it_is_emulated(make_qwen_r
     runner.run()
     said = "aten's other bf16 matmuls (attention, small weights) are emulated" in runner.stream.getvalue()
     assert said == (dtype == "bfloat16" and not plat.cpu_runs_bf16())
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return next((set(line.split(":", 1)[1].split()) for line in fh if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@pytest.mark.skipif(not _cpu_flags(), reason="no x86 flags in /proc/cpuinfo to check against")
+def test_bf16_is_native_exactly_where_linux_lists_avx512_bf16_or_amx():
+    """cpu_runs_bf16 agrees with the CPU flags Linux reads (an independent source): oneDNN's own check
+    also says yes on an AVX-512 core without AVX512-BF16 (an Intel Xeon, Ice Lake), where it emulates
+    bf16 at a third of our AVX2 loop's rate (BENCHMARKS.md, "fifty-sixth pass"). On every kind of host
+    either side of the equality can be the one that is wrong."""
+    flags = _cpu_flags()
+    native = "avx512_bf16" in flags or "amx_bf16" in flags
+    assert plat.cpu_runs_bf16() == native
