@@ -97,7 +97,7 @@ _packed: TensorMemo[torch.Tensor] = TensorMemo()  # weight -> its packed copy, p
 @functools.cache  # asked on every call (113 per 0.6B step): ~2 us uncached in bf16
 def supported(dtype: torch.dtype) -> bool:
     """oneDNN is in this torch build and runs `dtype` natively on this CPU (bf16 needs avx512_bf16
-    or AMX; without them oneDNN emulates it, slower than aten)."""
+    or AMX, `cpu_runs_bf16`; without them oneDNN emulates it, slower than our AVX2 loop)."""
     if dtype == torch.float32:
         return torch.backends.mkldnn.is_available()
     return dtype == torch.bfloat16 and cpu_runs_bf16()
