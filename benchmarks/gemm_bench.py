@@ -1,7 +1,7 @@
 """Decode GEMMs alone: the project's kernel (`cann_cpu::rows_linear`, and in bf16 on a CPU with AMX
 its AMX loop `cann_cpu::amx_linear`) vs oneDNN on packed weights (vs aten's linear where oneDNN
 cannot run the dtype natively: bf16 on an AVX2 CPU); and the eager path's kernels on the weights as
-stored (`cann_cpu::gemv` for 1-4 rows, `cann_cpu::dot_linear` for 3-64 on a CPU without AMX, its
+stored (`cann_cpu::gemv` for 1-4 rows, `cann_cpu::dot_linear` for 3-64 (in bf16 on a CPU without AMX), its
 AVX-512 or its AVX2 loop) next to aten's linear (bf16) or oneDNN's (fp32) on the same weights.
 
 Why: a batched decode step is one pass over every projection with M = batch rows. This times that

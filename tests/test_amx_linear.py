@@ -128,6 +128,23 @@ def test_packed_linear_sends_2_to_64_bf16_rows_to_the_amx_loop():
 
 
 @needs_amx
+def test_fp32_rows_on_an_amx_cpu_take_the_kernels_avx512_loop():
+    """fp32 has no AMX: its 2-64-row products take the kernel's AVX-512 loop on its fp32 packing,
+    as on a CPU without AMX (it ran the 0.6B step level with oneDNN at batch 4 and faster at 16-64
+    there), and 65 rows oneDNN's packed copy."""
+    torch.manual_seed(0)
+    for rows, kernel in [(2, True), (16, True), (64, True), (65, False)]:
+        w = torch.randn(256, 128) * 0.1
+        x = torch.randn(rows, 128)
+        y = packed_linear.packed_linear(x, w, None)
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, w), rtol=1e-4, atol=1e-4)
+        kept = packed_linear._packed.kept(w)
+        assert (kept.shape == (4, 128, 64)) == kernel, (rows, kept.shape)
+        if kernel:
+            assert torch.equal(y, torch.ops.cann_cpu.rows_linear(x, kept, None))
+
+
+@needs_amx
 def test_no_compiler_for_the_amx_loop_is_one_line_and_onednn_runs_the_call(tmp_path):
     code = (
         "import torch\n"

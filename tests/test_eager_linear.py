@@ -1,6 +1,6 @@
 """Large linears that run eagerly on CPU (executor.backends.eager_linear): fp32 GEMMs go through
 oneDNN, products of 1-4 rows in bf16 and fp32 through the `cann_cpu::gemv` kernel (AVX-512 or
-AVX2), of 3-64 rows through `cann_cpu::dot_linear` on a CPU without AMX (AVX-512 or AVX2; 3-11 in
+AVX2), of 3-64 rows through `cann_cpu::dot_linear` (AVX-512 or AVX2; in bf16 on a CPU without AMX; 3-11 in
 bf16 and 3-16 in fp32 on the AVX2 loop), GEMMs of more rows through `cann_cpu::rows_linear` on the
 weight as stored on a CPU without AVX-512 (bf16 where oneDNN would emulate it, and fp32), and 2-64
 bf16 rows through `cann_cpu::amx_linear` on a CPU with AMX.
@@ -156,7 +156,7 @@ def test_three_to_64_rows_run_dot_linear(dtype, rows):
     vectors of x; the last N % (24 / vectors) weight rows on the tiles), a bias and x with strided
     rows: as close to a double-precision reference as aten's linear is."""
     if not eager_linear.dot_runs(dtype):
-        pytest.skip("dot_linear runs on a CPU with AVX-512 or AVX2 and FMA, without AMX")
+        pytest.skip("dot_linear runs on a CPU with AVX-512 or AVX2 and FMA (in bf16 without AMX)")
     torch.manual_seed(0)
     big = torch.nn.Linear(250, 2 * LARGE + 3).to(dtype)
     x = torch.randn(rows, 500).to(dtype)[:, ::2]
@@ -181,7 +181,7 @@ def test_dot_linear_every_tile_shape(dtype):
     3k + 1, 3k + 2 (AVX2: a last block of 1-3 weight rows; AVX-512: 4k + 0-3), K with a tail past
     the last whole 16 (AVX2: scalar; AVX-512: masked), with and without a bias."""
     if not eager_linear.dot_runs(dtype):
-        pytest.skip("dot_linear runs on a CPU with AVX-512 or AVX2 and FMA, without AMX")
+        pytest.skip("dot_linear runs on a CPU with AVX-512 or AVX2 and FMA (in bf16 without AMX)")
     torch.manual_seed(0)
     for rows, n, k, bias in [(1, 12, 37, True), (2, 13, 16, False), (3, 14, 250, True), (4, 15, 33, True),
                              (5, 16, 64, False), (9, 17, 250, True), (13, 31, 19, True)]:  # fmt: skip
@@ -196,7 +196,7 @@ def test_dot_linear_every_tile_shape(dtype):
 
 def test_dot_linear_refuses_what_it_does_not_take():
     if not eager_linear.dot_runs(torch.float32):
-        pytest.skip("dot_linear runs on a CPU with AVX-512 or AVX2 and FMA, without AMX")
+        pytest.skip("dot_linear runs on a CPU with AVX-512 or AVX2 and FMA (in bf16 without AMX)")
     w = torch.randn(8, 32)
     with pytest.raises(RuntimeError, match="1 to 64 rows"):
         torch.ops.cann_cpu.dot_linear(torch.randn(65, 32), w, None)
@@ -216,19 +216,22 @@ def wide_ckpt(tmp_path_factory):
 
 
 def test_prefill_linears_match_hf(wide_ckpt, make_qwen_runner):
-    """The prompt's rows (3-64 of them) go to dot_linear on a CPU without AMX (AVX-512 or AVX2), to
-    oneDNN elsewhere; on an AVX2 CPU more than 16 rows go to the rows kernel (below)."""
+    """The prompt's rows (3-64 of them) go to dot_linear where it runs (AVX-512 or AVX2, with AMX
+    too: fp32 has no tiles), to oneDNN elsewhere; on an AVX2 CPU more than 16 rows go to the rows
+    kernel (below). On a CPU with AMX a single fp32 row goes to aten, so no GEMV kernel is named."""
     runner, ref = make_qwen_runner(wide_ckpt), ckpt.load_reference(wide_ckpt)
     dot = eager_linear.dot_runs(torch.float32)
+    assert dot == (torch.cpu._is_avx512_supported() or torch.cpu._is_avx2_supported())
     many = "rows_linear" if eager_linear.rows_run_plain(torch.float32) else "onednn"
-    assert runner.prefill_kernels.linear_kernel == (f"gemv+dot_linear+{many}" if dot else "onednn")
+    gemv = "" if eager_linear.aten_takes_single_rows(torch.float32) else "gemv+"
+    assert runner.prefill_kernels.linear_kernel == (f"{gemv}dot_linear+{many}" if dot else "onednn")
     expected = ckpt.reference_greedy(ref, PROMPT, 8)
     assert len(set(expected)) > 3, "degenerate reference; the comparison would prove little"
     gen = runner.generate([PROMPT], 8)
     assert gen.token_ids == [expected]
     assert_close_logits(gen.first_logits[0], hf_logits(ref, PROMPT)[-1])
     assert runner.prefill_kernels.to_metrics()["prefill_linears"] == {
-        "kernel": f"gemv+dot_linear+{many}" if dot else "onednn",
+        "kernel": f"{gemv}dot_linear+{many}" if dot else "onednn",
         "onednn_calls": 0 if dot else 2,
         "gemv_calls": 0,
         "dot_calls": 2 if dot else 0,

@@ -196,7 +196,7 @@ def test_packed_linear_runs_the_kernel_where_it_fits_and_onednn_elsewhere(dtype)
     kernel_shape = (4, 64, 64, 2) if cols == 64 and dtype == torch.bfloat16 else (256 // cols, 128, cols)
     amx = dtype == torch.bfloat16 and packed_linear.amx_runs()  # the AMX loop, on the same packed layout
     above = (packed_linear.AMX_MAX_ROWS if amx else packed_linear.max_kernel_rows(dtype)) + 1
-    few = amx or packed_linear.max_kernel_rows(dtype) >= 4  # fp32 on a CPU with AMX: oneDNN takes every row count
+    few = amx or packed_linear.max_kernel_rows(dtype) >= 4  # bf16 on a CPU with AMX: only the AMX loop
     for w, rows, kernel in [(fits, 4, few), (ragged, 4, False), (fits.clone(), above, False)]:
         xr = torch.randn(rows, 128).to(dtype)
         b = torch.randn(w.shape[0]).to(dtype)
@@ -236,7 +236,7 @@ def test_no_compiler_is_one_line_and_onednn_runs_the_call(tmp_path):
     if not packed_linear.kernel_cols(torch.float32):
         pytest.skip("no AVX2 here: the kernel is never built, so there is no build to fail")
     if packed_linear.max_kernel_rows(torch.float32) < 4:
-        pytest.skip("a CPU with AMX: oneDNN takes every batched product, so the kernel is never built")
+        pytest.skip("this CPU gives the kernel no fp32 rows, so it is never built")
     code = (
         "import torch\n"
         "from executor.backends import packed_linear as p\n"
@@ -276,7 +276,7 @@ def test_batched_graph_decode_on_the_kernel_agrees_with_eager(tmp_path, make_qwe
     kept = packed_linear._packed.kept(gate_up)
     if packed_linear.kernel_fits(gate_up, 2) or packed_linear.amx_fits(gate_up, 2):
         assert kept.shape == packed_linear.pack_rows(gate_up).shape  # the kernel (or its AMX loop) ran
-    else:  # fp32 on a CPU with AMX: oneDNN's packed copy ran the product
+    else:  # bf16 on a CPU with AMX whose AMX loop does not run: oneDNN's packed copy ran the product
         assert packed_linear.max_kernel_rows(dtype) < 2 and kept is not None and kept.dim() == 2
     if dtype == torch.float32:
         torch.testing.assert_close(got.last_logits, want.last_logits, rtol=1e-4, atol=1e-4)

@@ -22,8 +22,8 @@ streamed the 0.6B shape's bf16 weights at 15-19 GB/s where the machine reads ~33
 It is built on the first call that needs it; where it cannot be, one line says so and aten
 runs those calls.
 
-Why a second loop for 3-64 rows on an AVX-512 CPU without AMX (`cann_cpu::dot_linear`, same
-source): the eager decode step at batch 3-64 (and a short prompt's prefill) is such a product. On
+Why a second loop for 3-64 rows on an AVX-512 CPU (`cann_cpu::dot_linear`, same source; in bf16
+only without AMX): the eager decode step at batch 3-64 (and a short prompt's prefill) is such a product. On
 the weight as stored aten's bf16 linear (oneDNN, reordering the weight per call) ran the 0.6B
 projections at 86-181 GFLOP/s at 5-16 rows and oneDNN's fp32 one at 45-96; the loop (tiles of 4
 weight rows x up to 6 rows of x, dot products along K) ran them 1.8-2.0x faster, level with the
@@ -31,7 +31,8 @@ compiled modes' loop on a packed copy. From 28 rows x is packed once per call an
 value broadcast to 2-4 vectors of 16 rows: 1.2-1.4x aten's rate at 24-64 rows. The eager step
 took 0.57x / 0.69x / 0.76x / 0.88x the time at bf16 batch 8 / 16 / 32 / 64, and 0.62x / 0.63x /
 0.81x / 0.85x in fp32; at batch 4 it took 0.84x (bf16) / 0.82x (fp32) the time of the GEMV
-kernel's 4-row loop (BENCHMARKS.md, "twenty-seventh pass").
+kernel's 4-row loop (BENCHMARKS.md, "twenty-seventh pass"). On a CPU with AMX (which has no fp32
+tiles) the fp32 eager step took 0.82x oneDNN's time at batch 4 ("fifty-seventh pass").
 
 Why dot_linear's AVX2 loop on a CPU without AVX-512 (tiles of 3 weight rows x up to 4 rows of x in
 16 ymm registers, bf16 widened in registers as in the GEMV kernel's AVX2 loop): there oneDNN read
@@ -124,14 +125,15 @@ def _large(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 @functools.cache
 def dot_runs(dtype: torch.dtype) -> bool:
-    """3 rows and more (up to dot_max_rows) go to `cann_cpu::dot_linear`, bf16 or fp32, on a CPU
-    without AMX: its AVX-512 loop (AVX512-BF16 for bf16; BENCHMARKS.md, "twenty-seventh pass") or,
-    without those, its AVX2 loop ("twenty-eighth pass"). With AMX bf16 has its AMX loop, and the
-    AVX-512 loops lost to oneDNN there in fp32 ("twenty-fifth pass")."""
+    """3 rows and more (up to dot_max_rows) go to `cann_cpu::dot_linear`: its AVX-512 loop
+    (AVX512-BF16 for bf16; BENCHMARKS.md, "twenty-seventh pass") or, without those, its AVX2 loop
+    ("twenty-eighth pass"). Not bf16 on a CPU with AMX, which has its AMX loop. fp32 there has no
+    tiles: the AVX-512 loop lost to oneDNN in the twenty-fifth pass, and since took the eager step to
+    0.82x oneDNN's time at batch 4 (6 of 6 alternating rounds; "fifty-seventh pass")."""
     return (
         dtype in GEMV_DTYPES
         and (cpu_has_avx512(dtype) or cpu_has_avx2())
-        and not cpu_has_amx()
+        and not (cpu_has_amx() and dtype == torch.bfloat16)
         and _gemv_library()
         and bool(torch.ops.cann_cpu.dot_linear_supported(dtype))
     )
@@ -161,7 +163,8 @@ def gemv_max_rows(dtype: torch.dtype) -> int:
       ("twenty-eighth pass").
     - On a CPU with AMX oneDNN ran the eager 0.6B-shape batch-4 step in 0.91x (bf16, aten's linear)
       and 0.96x (fp32) of the time it took with the kernel, whose 4-row loop read the weights at
-      0.50-0.64 of a sum's rate against oneDNN's 0.74-0.85 ("twenty-fifth pass")."""
+      0.50-0.64 of a sum's rate against oneDNN's 0.74-0.85 ("twenty-fifth pass"). There fp32's
+      3-64 rows now go to dot_linear instead, and two rows stay with oneDNN (not measured)."""
     if cpu_has_amx():
         return 1
     return DOT_MIN_ROWS - 1 if dot_runs(dtype) else GEMV_MAX_ROWS
@@ -172,7 +175,9 @@ def aten_takes_single_rows(dtype: torch.dtype) -> bool:
     """A single fp32 row goes to aten's linear (MKL's sgemv) on a CPU with AMX: there it read the
     0.6B shape's weights at 0.97 of a sum's rate, the GEMV kernel at 0.84 and oneDNN at 0.90, and
     the eager MoE step at the 30B-A3B shape (its fp32 lm_head) was slower than transformers'
-    (BENCHMARKS.md, "twenty-fifth pass"). On the AMD hosts MKL's sgemv was the slow one (~17 GB/s)."""
+    (BENCHMARKS.md, "twenty-fifth pass"); the eager batch-1 fp32 step took 1.49x the time with the
+    GEMV kernel (6 of 6 alternating rounds, "fifty-seventh pass"). On the AMD hosts MKL's sgemv was
+    the slow one (~17 GB/s)."""
     return dtype == torch.float32 and cpu_has_amx()
 
 
@@ -226,7 +231,7 @@ def rows_run_plain(dtype: torch.dtype) -> bool:
 class LinearKernel:
     """`linear` for the op table: the GEMV kernel for 1-4 rows (gemv_max_rows) of a large CPU
     weight in bf16 or fp32, except a single fp32 row on a CPU with AMX (aten_takes_single_rows);
-    3-64 rows on dot_linear (a CPU without AMX; on its AVX2 loop 3-16 in fp32, 3-11 in bf16:
+    3-64 rows on dot_linear (in bf16 a CPU without AMX; on its AVX2 loop 3-16 in fp32, 3-11 in bf16:
     dot_max_rows); for more rows the rows kernel on a CPU without AVX-512 (in bf16 also where oneDNN
     would emulate it: rows_run_plain), else oneDNN in fp32 and in bf16 the AMX loop (2-64 rows, a
     CPU with AMX); the reference otherwise. The counts are
@@ -265,7 +270,8 @@ class LinearKernel:
 
 def kernel_for(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str:
     """What a run's large linears get: "gemv+dot_linear+onednn" (fp32 on an AVX-512 CPU without
-    AMX: GEMV for 1-2 rows, dot_linear for 3-64, oneDNN past that), "gemv+dot_linear+rows_linear"
+    AMX: GEMV for 1-2 rows, dot_linear for 3-64, oneDNN past that), "dot_linear+onednn" (fp32 on a
+    CPU with AMX: a single row on aten, dot_linear for 3-64), "gemv+dot_linear+rows_linear"
     (fp32 on an AVX2 CPU: dot_linear for 3-16 rows, the rows kernel past that),
     "gemv+dot_linear" (bf16 on an AVX512-BF16 CPU without AMX), "onednn" (fp32 elsewhere), "gemv"
     (bf16: its few-row products), "gemv+amx_linear" (bf16 on a CPU with AMX: the AMX loop takes
@@ -276,7 +282,10 @@ def kernel_for(model: torch.nn.Module, device: torch.device, dtype: torch.dtype)
     large = any(p.dim() == 2 and p.numel() >= packed_linear.MIN_WEIGHT_NUMEL for p in model.parameters())
     if device.type != "cpu" or not large:
         return "aten"
-    dot = dtype in GEMV_DTYPES and (cpu_has_avx512(dtype) or cpu_has_avx2()) and not cpu_has_amx()
+    amx_bf16 = cpu_has_amx() and dtype == torch.bfloat16
+    dot = dtype in GEMV_DTYPES and (cpu_has_avx512(dtype) or cpu_has_avx2()) and not amx_bf16
+    if dot and dtype == torch.float32 and cpu_has_amx():
+        return "dot_linear+onednn"
     if dot and dtype == torch.float32:
         return "gemv+dot_linear+onednn" if cpu_has_avx512(dtype) else "gemv+dot_linear+rows_linear"
     if dot and cpu_has_avx512(dtype):

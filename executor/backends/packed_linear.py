@@ -24,7 +24,7 @@ On a CPU with AMX (an Intel Xeon) the bf16 calls of 2-64 rows go to the kernel's
 (`cann_cpu::amx_linear`, csrc/amx_linear.cpp, on the same packed layout): there oneDNN's AMX
 products read the 0.6B projections at 0.53-0.69 of a sum's rate at 4-16 rows and the AVX-512 loop
 at 0.33-0.52, the AMX loop at 0.73-0.91 (two passes; BENCHMARKS.md, "twenty-sixth pass"). fp32
-stays with oneDNN there (`max_kernel_rows`).
+has no AMX and takes the AVX-512 loop there too (`max_kernel_rows`).
 
 The packed copy is made on the first decode call from the live weight and kept next to it
 (executor.memo: dropped with the weight, remade if the weight is changed in place), so the compiled
@@ -180,12 +180,14 @@ def kernel_cols(dtype: torch.dtype) -> int:
 @functools.cache  # asked on every call, through _fits's cache
 def max_kernel_rows(dtype: torch.dtype) -> int:
     """The most rows the kernel's AVX-512 and AVX2 loops take on this CPU (past them oneDNN, or aten,
-    runs the call). No rows on a CPU with AMX, where oneDNN runs the dtype (and bf16 goes to the AMX
-    loop, `amx_fits`): there oneDNN on its packed weights ran the 0.6B-shape decode step faster than
-    these loops at every batch, in both dtypes (ge_graph, one process per run, alternating: 0.70x
-    the kernel's step time at batch 4 and 0.59x at 16 in bf16, 0.79x and 0.94x in fp32;
-    BENCHMARKS.md, "twenty-fifth pass"). The kernel's AVX-512 loop was tuned on AMD Zen 4."""
-    if cpu_has_amx() and supported(dtype):
+    runs the call). No bf16 rows on a CPU with AMX: there the AMX loop takes them (`amx_fits`), and
+    oneDNN's AMX products had run the 0.6B-shape bf16 step in 0.70x / 0.59x the AVX-512 loop's time
+    at batch 4 / 16 (BENCHMARKS.md, "twenty-fifth pass"). fp32 has no AMX, and there the AVX-512
+    loop, once its threads took each other's leftover blocks and the graphs called it without
+    Python, ran the ge_graph step level with oneDNN at batch 4 (1.00x, 10 alternating rounds) and
+    faster at 16 and 64 (0.87x, 0.93x; SK decoder at 16 0.88x; "fifty-seventh pass"), where in the
+    twenty-fifth pass oneDNN had been ahead (0.79x / 0.94x of the loop's time at batch 4 / 16)."""
+    if cpu_has_amx() and dtype == torch.bfloat16 and supported(dtype):
         return 0
     return MAX_KERNEL_ROWS if kernel_cols(dtype) == 64 else MAX_AVX2_KERNEL_ROWS
 
