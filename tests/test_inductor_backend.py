@@ -65,11 +65,15 @@ def test_a_gemv_inductor_decomposes_is_rewritten_only_where_it_does_not(launch_u
     gm = _trace(lambda x: mid(x), torch.randn(1, 1, 512).to(dtype))
     # where the GEMV kernel takes large fp32 rows (an AVX2 host) it takes this one in a launch unit
     # too; a bf16 one it takes in a launch unit wherever it runs (its C++ wrapper calls it)
+    # where aten's single row is MKL's fast sgemv (fp32 on an Intel CPU with AMX) it stays aten's
     kernel = eager_linear.gemv_in_graphs(dtype, launch_unit)
+    aten = eager_linear.aten_takes_single_rows(dtype)
     if dtype == torch.bfloat16 and launch_unit:
         assert kernel == eager_linear.gemv_runs(dtype)
-    assert _gemv_to_reduction(gm, decomposes_small=launch_unit) == (0 if launch_unit and not kernel else 1)
-    assert [n.target for n in gm.graph.nodes].count(torch.ops.cann_cpu.gemv.default) == int(kernel)
+    kept = aten or (launch_unit and not kernel)
+    assert _gemv_to_reduction(gm, decomposes_small=launch_unit) == (0 if kept else 1)
+    assert [n.target for n in gm.graph.nodes].count(torch.ops.cann_cpu.gemv.default) == int(kernel and not aten)
+    assert [n.target for n in gm.graph.nodes].count(torch._C._nn.linear) == int(kept)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -156,21 +160,25 @@ def test_a_large_gemv_calls_the_kernel_where_it_streams_faster(superkernel, dtyp
     """On a CPU without AVX512-BF16 or AMX (an AVX2 host) a large single-row bf16 linear becomes a
     `cann_cpu::gemv` call, not a reduction: Inductor's widened bf16 reduction ran below the read
     bandwidth there; so does an fp32 one on a CPU without AVX-512 (the kernel's step was faster).
-    Elsewhere it stays a reduction over the input row stored first (a bf16 row stored, widened to
-    fp32 and stored again, not converted per weight row; the result rounded back to bf16). Either
+    An fp32 one stays aten's linear (MKL's sgemv) where that is the fast one (an Intel CPU with
+    AMX). Elsewhere it stays a reduction over the input row stored first (a bf16 row stored, widened
+    to fp32 and stored again, not converted per weight row; the result rounded back to bf16). Each
     compiles to the same result, and the kernel call joins a SuperKernel scope's launch unit."""
     torch.manual_seed(0)
     lin = torch.nn.Linear(256, 3 * INDUCTOR_DECOMPOSE_MAX_DIM).to(dtype)
     x = torch.randn(1, 1, 256).to(dtype)
     gm = _trace(lambda x: lin(x), x)
-    assert _gemv_to_reduction(gm) == 1
-    kernel = eager_linear.gemv_in_graphs(dtype)
+    aten = eager_linear.aten_takes_single_rows(dtype)
+    assert aten == (dtype == torch.float32 and torch.cpu._is_amx_tile_supported())
+    assert _gemv_to_reduction(gm) == int(not aten)
+    kernel = eager_linear.gemv_in_graphs(dtype) and not aten
     if dtype == torch.float32:  # the kernel's AVX2 loop where there is no AVX-512
         assert kernel == (eager_linear.gemv_runs(dtype) and not cpu_has_avx512(dtype))
     widen = dtype == torch.bfloat16
     targets = [n.target for n in gm.graph.nodes]
     assert targets.count(torch.ops.cann_cpu.gemv.default) == int(kernel)
-    assert targets.count(torch.ops.prims.inductor_force_stride_order.default) == (1 + widen) * int(not kernel)
+    assert targets.count(torch._C._nn.linear) == int(aten)
+    assert targets.count(torch.ops.prims.inductor_force_stride_order.default) == (1 + widen) * int(not (kernel or aten))
     converts = [n.args[1] for n in gm.graph.nodes if n.target is torch.ops.prims.convert_element_type.default]
     assert converts == ([] if kernel or not widen else [torch.float32, torch.bfloat16])
 

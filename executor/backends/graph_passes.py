@@ -18,7 +18,7 @@ import operator
 
 import torch
 
-from executor.backends.eager_linear import gemv_in_graphs
+from executor.backends.eager_linear import aten_takes_single_rows, gemv_in_graphs
 from executor.backends.packed_linear import MIN_WEIGHT_NUMEL, call_instead, pack_batched_linears
 
 
@@ -52,7 +52,10 @@ def _gemv_to_reduction(gm: torch.fx.GraphModule, decomposes_small: bool = False,
     bf16 0.6B-shape step compute-bound (SK decoder 63 -> 37 ms/step once stored; BENCHMARKS.md).
     Where the GEMV kernel streams faster (bf16 without native bf16, fp32 without AVX-512: an AVX2
     host; bf16 in a launch unit) the large ones call it instead (`cann_cpu::gemv`;
-    eager_linear.gemv_in_graphs says why).
+    eager_linear.gemv_in_graphs says why). Where aten's single-row linear is MKL's fast sgemv (fp32
+    on an Intel Xeon with AMX, eager_linear.aten_takes_single_rows) the large ones stay aten calls:
+    there the 0.6B fp32 batch-1 step took 0.76x (ge_graph) and 0.80x (SK decoder) the reductions'
+    time (8 of 8 alternating rounds each; BENCHMARKS.md, "fifty-seventh pass").
 
     On CUDA (`device`) every single-row linear is rewritten, small ones too: there Inductor sends
     each to cuBLAS, whose M = 1 kernels read the 0.6B shape's 4-13 MB projections at 0.7-2.2 TB/s
@@ -75,6 +78,8 @@ def _gemv_to_reduction(gm: torch.fx.GraphModule, decomposes_small: bool = False,
         if not isinstance(value, torch.Tensor) or value.numel() != value.shape[-1] or weight is None:
             continue
         large = weight.numel() >= MIN_WEIGHT_NUMEL and weight.dim() == 2
+        if cpu and large and aten_takes_single_rows(weight.dtype):
+            continue
         if (
             cpu
             and large
