@@ -126,23 +126,27 @@ constexpr TileFn<float> kF32Tiles[kRows + 1] = {
 // With more than kRows rows a block is run by several tiles, of balanced sizes (16 rows: 6 + 5 + 5,
 // not 6 + 6 + 4). The first tile reads the block from memory, the others from L2; alone, that left
 // the memory bus idle while the later tiles computed. So every tile also prefetches a share of the
-// next block into L2, in proportion to its rows (4 x rows / M lines per step, rounded up): the
-// stream is spread over the whole block's compute. On the 0.6B-shape projections (cold, one pass
-// over all of them, 7 rounds) that ran M = 16 1.12-1.16x faster in fp32 and 1.15x in bf16, M = 32
-// 1.05x / 1.17x and M = 64 0.98x / 1.10x (BENCHMARKS.md, "tenth pass").
+// next block into L2, in proportion to its rows: the stream is spread over the whole block's
+// compute. On the 0.6B-shape projections (cold, one pass over all of them, 7 rounds) that ran
+// M = 16 1.12-1.16x faster in fp32 and 1.15x in bf16, M = 32 1.05x / 1.17x and M = 64 0.98x /
+// 1.10x than no prefetch (BENCHMARKS.md, "tenth pass"). The shares add up to the next block's 4
+// lines per step exactly (16 rows: 1 + 1 + 2), as in the AVX2 loop (avx2_block). Each tile's share
+// rounded up instead (2 + 2 + 2 at 16 rows, 1 per tile at 64: 1.5 and 2.75 blocks ahead) ran the
+// fp32 pass at 16 rows in 0.86-0.88x of that one's time and at 32 in 0.96x on the Intel AMX kind
+// (in-process A/B, 9 alternating rounds, every round faster; BENCHMARKS.md, "fifty-eighth pass").
+// The likely reason: a down_proj block (768 KB) computing plus one and a half in flight nearly fill
+// that kind's 2 MB L2, so prefetched lines evict ones still to be read.
 template <typename T>
 void run_tiles(const TileFn<T>* tiles, const T* x, int64_t M, int64_t K, const T* w, int64_t NB, int64_t kstep,
                const float* bias, T* y) {
   const int64_t N = NB * kCols, block = K * kCols, n_tiles = (M + kRows - 1) / kRows;
   cann::leftovers_for(NB, [&](int64_t nb, bool next) {
     const float* bb = bias ? bias + nb * kCols : nullptr;
-    const bool prefetch = n_tiles > 1 && next;
-    const char* pf = reinterpret_cast<const char*>(w + (nb + 1) * block);  // lines rounded up may run
-    const char* stop = reinterpret_cast<const char*>(w + NB * block);        // into the block after
+    const bool prefetch = n_tiles > 1 && next;  // next: block nb + 1 exists and is this thread's
+    const char* pf = reinterpret_cast<const char*>(w + (nb + 1) * block);
     for (int64_t m0 = 0, t = 0, mb = 0; m0 < M; m0 += mb, ++t) {
       mb = M / n_tiles + (t < M % n_tiles);
-      int pfl = prefetch ? static_cast<int>((4 * mb + M - 1) / M) : 0;
-      if (pfl && stop - pf < pfl * kstep * 64) pfl = 0;  // never past the weight's end
+      const int pfl = prefetch ? static_cast<int>((4 * (m0 + mb)) / M - (4 * m0) / M) : 0;
       tiles[mb](x + m0 * K, K, w + nb * block, kstep, bb, y + m0 * N + nb * kCols, N, pf, pfl);
       pf += pfl * kstep * 64;
     }
