@@ -35,6 +35,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -46,6 +47,7 @@ namespace {
 
 constexpr int64_t kCols = 64;  // output columns per block: 4 zmm of 16 fp32
 constexpr int kRows = 6;        // rows per tile: 6 x 4 accumulators + 4 weights + 1 broadcast <= 32 zmm
+constexpr int64_t kOwnAhead = 32;  // k steps a single fp32 tile asks for its own block ahead (8 KB; run_tiles)
 
 #ifdef CANN_ROWS
 #define CANN_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -57,10 +59,12 @@ inline void prefetch_lines(const char* pf, int lines) {
 }
 
 // One bf16 tile: MB rows of x (row stride ldx) times one packed 64-column block (K2 pairs); each
-// pair step also prefetches `pfl` lines from `pf` on.
+// pair step also prefetches `pfl` lines from `pf` on. It asks for nothing of its own block ahead
+// (the fp32 tile's `ahead`): unmeasured on the CPUs that run this loop (run_tiles).
 template <int MB>
 CANN_BF16_TARGET inline void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K2,
-                                       const float* bias, uint16_t* y, int64_t ldy, const char* pf, int pfl) {
+                                       const float* bias, uint16_t* y, int64_t ldy, const char* pf, int pfl,
+                                       int64_t /*ahead*/) {
   __m512 acc[MB][4];
   for (int m = 0; m < MB; ++m)
     for (int c = 0; c < 4; ++c) acc[m][c] = bias ? _mm512_loadu_ps(bias + c * 16) : _mm512_setzero_ps();
@@ -87,16 +91,22 @@ CANN_BF16_TARGET inline void bf16_tile(const uint16_t* x, int64_t ldx, const uin
 }
 
 // One fp32 tile: MB rows of x (row stride ldx) times one packed 64-column block (K rows of 64);
-// each k step also prefetches `pfl` lines from `pf` on.
+// each k step also prefetches `pfl` lines from `pf` on (into L2) and, with `ahead` > 0, its own
+// block's 4 lines `ahead` steps on (into L1), never past the block's end.
 template <int MB>
 CANN_F32_TARGET inline void f32_tile(const float* x, int64_t ldx, const float* w, int64_t K, const float* bias,
-                                     float* y, int64_t ldy, const char* pf, int pfl) {
+                                     float* y, int64_t ldy, const char* pf, int pfl, int64_t ahead) {
   __m512 acc[MB][4];
   for (int m = 0; m < MB; ++m)
     for (int c = 0; c < 4; ++c) acc[m][c] = bias ? _mm512_loadu_ps(bias + c * 16) : _mm512_setzero_ps();
+  const int64_t ahead_end = ahead > 0 ? K - ahead : 0;
   for (int64_t k = 0; k < K; ++k) {
     const float* wk = w + k * kCols;
     prefetch_lines(pf + k * pfl * 64, pfl);
+    if (k < ahead_end) {
+      const char* own = reinterpret_cast<const char*>(wk + ahead * kCols);
+      for (int i = 0; i < 4; ++i) _mm_prefetch(own + i * 64, _MM_HINT_T0);
+    }
     const __m512 w0 = _mm512_loadu_ps(wk);
     const __m512 w1 = _mm512_loadu_ps(wk + 16);
     const __m512 w2 = _mm512_loadu_ps(wk + 32);
@@ -114,7 +124,7 @@ CANN_F32_TARGET inline void f32_tile(const float* x, int64_t ldx, const float* w
 }
 
 template <typename T>
-using TileFn = void (*)(const T*, int64_t, const T*, int64_t, const float*, T*, int64_t, const char*, int);
+using TileFn = void (*)(const T*, int64_t, const T*, int64_t, const float*, T*, int64_t, const char*, int, int64_t);
 constexpr TileFn<uint16_t> kBf16Tiles[kRows + 1] = {
     nullptr, bf16_tile<1>, bf16_tile<2>, bf16_tile<3>, bf16_tile<4>, bf16_tile<5>, bf16_tile<6>};
 constexpr TileFn<float> kF32Tiles[kRows + 1] = {
@@ -136,6 +146,12 @@ constexpr TileFn<float> kF32Tiles[kRows + 1] = {
 // (in-process A/B, 9 alternating rounds, every round faster; BENCHMARKS.md, "fifty-eighth pass").
 // The likely reason: a down_proj block (768 KB) computing plus one and a half in flight nearly fill
 // that kind's 2 MB L2, so prefetched lines evict ones still to be read.
+// With one tile (2-6 rows) nothing streams the next block, and in fp32 the tile asks for its own
+// block's lines 32 steps (8 KB) ahead into L1 instead, as the AVX2 loop does: on the Intel AMX kind
+// the pass at 2-6 rows took 0.77-0.91x the time (in-process A/B, 9 alternating rounds, every round
+// faster) and the fp32 batch-4 step 0.80x (ge_graph) / 0.83x (SK decoder; "fifty-eighth pass").
+// With several tiles, which read the block from L2, the same ran 8-64 rows level or up to 1.1x
+// slower. bf16's loop runs only on AMD Zen (the AMX kind has its own), unmeasured: it asks for none.
 template <typename T>
 void run_tiles(const TileFn<T>* tiles, const T* x, int64_t M, int64_t K, const T* w, int64_t NB, int64_t kstep,
                const float* bias, T* y) {
@@ -144,10 +160,11 @@ void run_tiles(const TileFn<T>* tiles, const T* x, int64_t M, int64_t K, const T
     const float* bb = bias ? bias + nb * kCols : nullptr;
     const bool prefetch = n_tiles > 1 && next;  // next: block nb + 1 exists and is this thread's
     const char* pf = reinterpret_cast<const char*>(w + (nb + 1) * block);
+    const int64_t ahead = n_tiles == 1 && std::is_same_v<T, float> ? kOwnAhead : 0;
     for (int64_t m0 = 0, t = 0, mb = 0; m0 < M; m0 += mb, ++t) {
       mb = M / n_tiles + (t < M % n_tiles);
       const int pfl = prefetch ? static_cast<int>((4 * (m0 + mb)) / M - (4 * m0) / M) : 0;
-      tiles[mb](x + m0 * K, K, w + nb * block, kstep, bb, y + m0 * N + nb * kCols, N, pf, pfl);
+      tiles[mb](x + m0 * K, K, w + nb * block, kstep, bb, y + m0 * N + nb * kCols, N, pf, pfl, ahead);
       pf += pfl * kstep * 64;
     }
   });
