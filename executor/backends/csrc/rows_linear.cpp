@@ -151,7 +151,9 @@ constexpr TileFn<float> kF32Tiles[kRows + 1] = {
 // the pass at 2-6 rows took 0.77-0.91x the time (in-process A/B, 9 alternating rounds, every round
 // faster) and the fp32 batch-4 step 0.80x (ge_graph) / 0.83x (SK decoder; "fifty-eighth pass").
 // With several tiles, which read the block from L2, the same ran 8-64 rows level or up to 1.1x
-// slower. bf16's loop runs only on AMD Zen (the AMX kind has its own), unmeasured: it asks for none.
+// slower. On AMD Zen 4 / 5, which run this loop too, it is unmeasured (there 4 rows already read
+// 0.98x of a sum's rate: "ninth pass"). bf16's loop runs only there (the AMX kind has its own), so
+// bf16 asks for none.
 template <typename T>
 void run_tiles(const TileFn<T>* tiles, const T* x, int64_t M, int64_t K, const T* w, int64_t NB, int64_t kstep,
                const float* bias, T* y) {
