@@ -9,6 +9,7 @@ directly: which nodes they take, and that compiled code computes the same thing,
 without a SuperKernel scope around it.
 """
 
+import contextlib
 import re
 
 import pytest
@@ -417,3 +418,51 @@ def test_a_small_launch_units_intermediates_sit_on_the_stack_or_in_one_pool(
         assert stacked == views == 0 and (empties >= 8 or not superkernel), (stacked, views, empties)
     else:
         assert found[expect] and empties <= 3, (stacked, views, empties)  # the pool itself and the unit's output
+
+
+_LOOP = r"for\(int64_t x0=static_cast<int64_t>\(0L\); x0<static_cast<int64_t>\((\d+)L\)"
+
+
+@pytest.mark.parametrize("superkernel", [False, True])
+@pytest.mark.parametrize("rule", ["ours", "inductor_alone"])
+def test_a_large_models_small_loops_run_serially_and_its_large_ones_read_the_thread_count(
+    monkeypatch, superkernel, rule
+):
+    """Kernels that read the thread count (a large model's step) keep Inductor's small-loop rule:
+    a loop of 1024 values runs on the calling thread, no parallel region to fork and join for it,
+    while a loop of 1M values is shared out. Left to Inductor, reading the count opens a region
+    for every loop (the control, so that a later Inductor without that habit shows up here)."""
+    from torch._inductor.utils import run_and_get_code
+
+    import executor.backends.inductor as inductor
+
+    if rule == "inductor_alone":
+
+        def alone(on: bool = True):
+            from torch._inductor import config
+
+            return config.patch({"cpp.dynamic_threads": True}) if on else contextlib.nullcontext()
+
+        monkeypatch.setattr(inductor, "thread_count_kernels", alone)
+    torch.manual_seed(0)
+    table = torch.nn.Embedding(DYNAMIC_THREADS_NUMEL // 1024, 1024)
+
+    def step(x, _positions):
+        with superkernel_scope(superkernel, "all", ""):
+            small = torch.nn.functional.silu(x) * x  # 1024 values
+            large = table.weight * 3.0 + 1.0  # 1M values
+        return small, large
+
+    x = torch.randn(1, 1, 1024)
+    with torch.no_grad():
+        compiled = compile_inductor(step, superkernel, "cpu")
+        (small, large), code = run_and_get_code(lambda: compiled(x, None))
+    assert compiled.compiler.stats.dynamic_threads
+    torch.testing.assert_close(small, torch.nn.functional.silu(x) * x)
+    torch.testing.assert_close(large, table.weight * 3.0 + 1.0)
+    src = "\n".join(code)
+    loops = {int(n) for n in re.findall(_LOOP, src)}
+    shared = {int(n) for n in re.findall(r"#pragma omp for\s+" + _LOOP, src)}
+    assert 1024 in loops and DYNAMIC_THREADS_NUMEL in shared, (loops, shared)
+    assert (1024 in shared) == (rule == "inductor_alone"), shared
+    assert "num_threads(" not in src  # the count is read when the kernels run

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -80,9 +80,49 @@ CPU_LAUNCH_UNIT = {"cpp_wrapper": True, "post_grad_fusion_options": {"decompose_
 # (InductorStep). Only where the step holds a weight of DYNAMIC_THREADS_NUMEL elements or more: at
 # the overhead-bound bench size (sub-ms steps) reading the count made the idle ge_graph step 1.33x
 # and SK decoder's 1.075x slower (9 alternating rounds), as Inductor then opens a parallel region
-# in every kernel, even loops it keeps serial for a known count (BENCHMARKS.md, "thirty-seventh pass").
-CPU_KERNELS = {"cpp.dynamic_threads": True}
+# in every kernel, even loops it keeps serial for a known count (BENCHMARKS.md, "thirty-seventh pass");
+# thread_count_kernels now keeps those loops serial, the threshold was not revisited.
+CPU_KERNELS = {"cpp.dynamic_threads": True, "cpp.min_chunk_size": 4096}
 DYNAMIC_THREADS_NUMEL = MIN_WEIGHT_NUMEL  # packed_linear's large weight: every 0.6B projection, no bench-overhead one
+
+
+@contextlib.contextmanager
+def thread_count_kernels(on: bool = True) -> Iterator[None]:
+    """Inductor's CPU codegen under CPU_KERNELS (nothing where `on` is False), with its static
+    rule for small loops kept: a loop nest with under `cpp.min_chunk_size` iterations for each
+    of two threads runs serially.
+
+    Why: reading the count at run time, Inductor opens a parallel region in every kernel, even
+    one whose loops it keeps serial for a known count, and a fork and join of the two threads
+    costs ~1.8 us on the AVX2 kind (Zen 3) against well under a microsecond for a 1024-element
+    norm. The 0.6B batch-1 bf16 step ran 171 such regions besides its 113 GEMVs': each norm two
+    (its mean as a parallel reduction, then the scaling), the SwiGLU product one. A serial loop
+    nest does not depend on the thread count, so the governor's count still holds for the
+    others. 4096 iterations a thread, not Inductor's default 512: the decode step's elementwise
+    loops and norms over 1024-6144 values stay serial, its attention over the cache (heads x
+    cached positions x head_dim) and the batched steps' larger loops do not. There the step's
+    Inductor regions went from 171 to 29 and perf had the main thread 0.52-0.63 ms a step in
+    libgomp against 0.88-1.19; the step's wall time moved too much on that VM to resolve the
+    gain (BENCHMARKS.md, "sixtieth pass")."""
+    if not on:
+        yield
+        return
+    from torch._inductor import config as inductor_config
+    from torch._inductor.codegen import cpp
+
+    original = cpp.CppKernel.decide_parallel_depth
+
+    def decide_parallel_depth(kernel, max_parallel_depth, threads):
+        if kernel.size_hint() < 2 * inductor_config.cpp.min_chunk_size:  # whatever the count compiled at
+            return cpp.ParallelDepth(parallel_depth=0, start_depth=max_parallel_depth.start_depth)
+        return original(kernel, max_parallel_depth, threads)
+
+    cpp.CppKernel.decide_parallel_depth = decide_parallel_depth
+    try:
+        with inductor_config.patch(CPU_KERNELS):
+            yield
+    finally:
+        cpp.CppKernel.decide_parallel_depth = original
 
 
 def _reads_thread_count(inputs) -> bool:
@@ -212,12 +252,16 @@ class _Segment:
 
             # CPU launch unit = the C++ wrapper; CUDA launch unit = one CUDA graph (captured by us:
             # Inductor's own cudagraphs silently skip graphs that mutate inputs, like the KV cache).
-            patch = {**(CPU_KERNELS if self.reads_threads else {}), **(CPU_LAUNCH_UNIT if self.fused else {})}
+            patch = CPU_LAUNCH_UNIT if self.fused else {}
             small = self.fused and self.device == "cpu" and len(self.gm.graph.nodes) <= POOL_MAX_NODES
             if small:  # intermediates on the stack or from a pool (executor.backends.unit_memory)
-                patch |= SMALL_UNIT
+                patch = patch | SMALL_UNIT
             before_inductor(self.gm, self.device, launch_unit=self.fused)
-            with inductor_config.patch(patch), unit_wrapper() if small else contextlib.nullcontext():
+            with (
+                thread_count_kernels(self.reads_threads),
+                inductor_config.patch(patch),
+                unit_wrapper() if small else contextlib.nullcontext(),
+            ):
                 self.fn = compile_fx(self.gm, _fake_inputs(args))
             if self.fused and self.device == "cuda":
                 self.fn = _CudaGraphUnit(self.fn, args)
@@ -268,11 +312,10 @@ class GraphCompiler:
         dynamic = self.device == "cpu" and _reads_thread_count(example_inputs)
         self.stats.dynamic_threads |= dynamic
         if not self.superkernel:
-            from torch._inductor import config as inductor_config
             from torch._inductor.compile_fx import compile_fx
 
             before_inductor(gm, self.device)
-            with inductor_config.patch(CPU_KERNELS if dynamic else {}):
+            with thread_count_kernels(dynamic):
                 return compile_fx(gm, example_inputs)
         return self._split(gm, dynamic)
 
