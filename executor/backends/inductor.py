@@ -82,7 +82,7 @@ CPU_LAUNCH_UNIT = {"cpp_wrapper": True, "post_grad_fusion_options": {"decompose_
 # and SK decoder's 1.075x slower (9 alternating rounds), as Inductor then opens a parallel region
 # in every kernel, even loops it keeps serial for a known count (BENCHMARKS.md, "thirty-seventh pass");
 # thread_count_kernels now keeps those loops serial, the threshold was not revisited.
-CPU_KERNELS = {"cpp.dynamic_threads": True, "cpp.min_chunk_size": 4096}
+CPU_KERNELS = {"cpp.dynamic_threads": True, "cpp.min_chunk_size": 2048}
 DYNAMIC_THREADS_NUMEL = MIN_WEIGHT_NUMEL  # packed_linear's large weight: every 0.6B projection, no bench-overhead one
 
 
@@ -98,12 +98,13 @@ def thread_count_kernels(on: bool = True) -> Iterator[None]:
     norm. The 0.6B batch-1 bf16 step ran 171 such regions besides its 113 GEMVs': each norm two
     (its mean as a parallel reduction, then the scaling), the SwiGLU product one. A serial loop
     nest does not depend on the thread count, so the governor's count still holds for the
-    others. 4096 iterations a thread, not Inductor's default 512: the decode step's elementwise
-    loops and norms over 1024-6144 values stay serial, its attention over the cache (heads x
-    cached positions x head_dim) and the batched steps' larger loops do not. There the step's
-    Inductor regions went from 171 to 29 and perf had the main thread 0.52-0.63 ms a step in
-    libgomp against 0.88-1.19; the step's wall time moved too much on that VM to resolve the
-    gain (BENCHMARKS.md, "sixtieth pass")."""
+    others. 2048 iterations a thread, not Inductor's default 512: the batch-1 step's norms and
+    SwiGLU product (1024-3072 values) stay serial, its attention over the cache (heads x cached
+    positions x head_dim) does not. There the step's Inductor regions went from 171 to 29, perf
+    had the main thread 0.52-0.63 ms a step in libgomp against 0.88-1.19, and the step took
+    0.98-1.00x the time. With 4096 a thread the batch-4 step's norms (4 x 1024) went serial
+    too and it took 1.022x the time, slower in 6 of 6 rounds; with 2048, 0.995x
+    (BENCHMARKS.md, "sixtieth pass")."""
     if not on:
         yield
         return
