@@ -103,8 +103,7 @@ def thread_count_kernels(on: bool = True) -> Iterator[None]:
     positions x head_dim) does not. There the step's Inductor regions went from 171 to 29, perf
     had the main thread 0.52-0.63 ms a step in libgomp against 0.88-1.19, and the step took
     0.98-1.00x the time. With 4096 a thread the batch-4 step's norms (4 x 1024) went serial
-    too and it took 1.022x the time, slower in 6 of 6 rounds; with 2048, 0.995x
-    (BENCHMARKS.md, "sixtieth pass")."""
+    too and it took 1.022x the time, slower in 6 of 6 rounds; with 2048, 0.995x (BENCHMARKS.md, "sixtieth pass")."""
     if not on:
         yield
         return
