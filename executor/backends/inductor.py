@@ -79,9 +79,9 @@ CPU_LAUNCH_UNIT = {"cpp_wrapper": True, "post_grad_fusion_options": {"decompose_
 # mode, autocast, default dtype, ...), so the step checks the rest of that state itself
 # (InductorStep). Only where the step holds a weight of DYNAMIC_THREADS_NUMEL elements or more: at
 # the overhead-bound bench size (sub-ms steps) reading the count made the idle ge_graph step 1.33x
-# and SK decoder's 1.075x slower (9 alternating rounds), as Inductor then opens a parallel region
-# in every kernel, even loops it keeps serial for a known count (BENCHMARKS.md, "thirty-seventh pass");
-# thread_count_kernels now keeps those loops serial, the threshold was not revisited.
+# slower, a parallel region in every kernel ("thirty-seventh pass"). With thread_count_kernels' serial
+# small loops its one-thread (TINY_MACS) steps were still 1.05x (ge_graph) and 1.11x (SK decoder)
+# slower, its 2-thread batch 8-16 ones 0.97x and 1.005x (BENCHMARKS.md, "sixty-first pass"): kept.
 CPU_KERNELS = {"cpp.dynamic_threads": True, "cpp.min_chunk_size": 2048}
 DYNAMIC_THREADS_NUMEL = MIN_WEIGHT_NUMEL  # packed_linear's large weight: every 0.6B projection, no bench-overhead one
 
