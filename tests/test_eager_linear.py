@@ -51,6 +51,21 @@ def test_qualifying_fp32_gemms_run_through_onednn_or_the_rows_kernel_with_the_sa
     torch.testing.assert_close(got_small, want_small, rtol=0, atol=0)
 
 
+def test_fp32_gemms_past_the_rows_kernels_rows_go_to_aten_on_its_cpu():
+    """More than PLAIN_MAX_ROWS_F32 fp32 rows: aten's sgemm where the rows kernel takes fp32 (faster
+    there at that size), oneDNN elsewhere, as below the limit; the rows kernel keeps the limit itself."""
+    torch.manual_seed(0)
+    big = torch.nn.Linear(256, LARGE)
+    limit = eager_linear.PLAIN_MAX_ROWS_F32
+    mode = LinearKernel()
+    with torch.no_grad():
+        for rows in (limit, limit + 1):
+            x = torch.randn(rows, 256)
+            torch.testing.assert_close(mode.linear(x, big.weight, big.bias), F.linear(x, big.weight, big.bias))
+    plain = eager_linear.rows_run_plain(torch.float32)
+    assert (mode.rows_calls, mode.aten_calls, mode.onednn_calls) == ((1, 1, 0) if plain else (0, 0, 2))
+
+
 def test_autograd_stays_with_aten():
     big = torch.nn.Linear(256, LARGE)
     x = torch.randn(4, 256, requires_grad=True)
@@ -237,6 +252,7 @@ def test_prefill_linears_match_hf(wide_ckpt, make_qwen_runner):
         "dot_calls": 2 if dot else 0,
         "rows_calls": 0,
         "amx_calls": 0,
+        "aten_calls": 0,
     }
 
 

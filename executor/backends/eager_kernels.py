@@ -76,6 +76,7 @@ class EagerKernels:
                 "dot_calls": k.linears.dot_calls,
                 "rows_calls": k.linears.rows_calls,
                 "amx_calls": k.linears.amx_calls,
+                "aten_calls": k.linears.aten_calls,
             },
             "prefill_attention": {
                 "kernel": eager_attention.KERNEL if k.attention.calls else "sdpa",

@@ -74,6 +74,7 @@ AVX2_DOT_MAX_ROWS = {torch.bfloat16: 11, torch.float32: 16}  # dot_linear's AVX2
 GEMV_DTYPES = (torch.bfloat16, torch.float32)
 GEMV_SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cpp"
 PLAIN_COLS = 16  # rows_linear's AVX2 loop, which alone takes a weight as stored (N a multiple of it)
+PLAIN_MAX_ROWS_F32 = 1024  # the most fp32 rows the rows kernel takes; aten's sgemm more (rows_run_plain)
 
 _lib = torch.library.Library("cann_cpu", "FRAGMENT")  # the namespace is defined by packed_linear
 _lib.define("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
@@ -219,7 +220,11 @@ def rows_run_plain(dtype: torch.dtype) -> bool:
     - bf16 where oneDNN would emulate bf16 (no AVX512-BF16 or AMX);
     - fp32 on a CPU without AVX-512, ahead of oneDNN: on the AVX2 kind (Zen 3) it read the 0.6B
       projections in 0.81x oneDNN's time at 64 rows and 0.86-0.87x at 128 and 512 (BENCHMARKS.md,
-      "fiftieth pass")."""
+      "fiftieth pass"); up to PLAIN_MAX_ROWS_F32 rows. Past that aten's linear (MKL's sgemm) takes
+      them: on that kind the kernel took 0.69x its time at 128 rows, 0.93x at 512, 1.02x at 1024 and
+      1.05x at 2048 (the sum over the 0.6B projections), and the 2048-token fp32 prefill spent 1.08x
+      aten's GEMM time in it (BENCHMARKS.md, "sixty-second pass"). oneDNN, the other candidate, took
+      1.08-1.24x aten's time from 512 rows on."""
     return (
         dtype in (torch.bfloat16, torch.float32)
         and (dtype == torch.float32 or not packed_linear.supported(dtype))
@@ -233,7 +238,7 @@ class LinearKernel:
     weight in bf16 or fp32, except a single fp32 row on a CPU with AMX (aten_takes_single_rows);
     3-64 rows on dot_linear (in bf16 a CPU without AMX; on its AVX2 loop 3-16 in fp32, 3-11 in bf16:
     dot_max_rows); for more rows the rows kernel on a CPU without AVX-512 (in bf16 also where oneDNN
-    would emulate it: rows_run_plain), else oneDNN in fp32 and in bf16 the AMX loop (2-64 rows, a
+    would emulate it: rows_run_plain; in fp32 up to PLAIN_MAX_ROWS_F32 rows, aten's past that), else oneDNN in fp32 and in bf16 the AMX loop (2-64 rows, a
     CPU with AMX); the reference otherwise. The counts are
     what metrics.json reports."""
 
@@ -243,6 +248,7 @@ class LinearKernel:
         self.dot_calls = 0
         self.rows_calls = 0
         self.amx_calls = 0
+        self.aten_calls = 0  # fp32 GEMMs past the rows kernel's rows (PLAIN_MAX_ROWS_F32)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if _large(x, weight, bias):
@@ -259,6 +265,9 @@ class LinearKernel:
                 self.dot_calls += 1
                 return torch.ops.cann_cpu.dot_linear.default(x, weight, bias)
             if weight.stride(1) == 1 and weight.shape[0] % PLAIN_COLS == 0 and rows_run_plain(weight.dtype):
+                if weight.dtype == torch.float32 and rows > PLAIN_MAX_ROWS_F32:
+                    self.aten_calls += 1
+                    return reference.linear(x, weight, bias)
                 self.rows_calls += 1
                 return torch.ops.cann_cpu.rows_linear.default(x, weight, bias)
             if weight.dtype == torch.float32 and packed_linear.supported(torch.float32):
@@ -272,7 +281,7 @@ def kernel_for(model: torch.nn.Module, device: torch.device, dtype: torch.dtype)
     """What a run's large linears get: "gemv+dot_linear+onednn" (fp32 on an AVX-512 CPU without
     AMX: GEMV for 1-2 rows, dot_linear for 3-64, oneDNN past that), "dot_linear+onednn" (fp32 on a
     CPU with AMX: a single row on aten, dot_linear for 3-64), "gemv+dot_linear+rows_linear"
-    (fp32 on an AVX2 CPU: dot_linear for 3-16 rows, the rows kernel past that),
+    (fp32 on an AVX2 CPU: dot_linear for 3-16 rows, the rows kernel past that up to 1024, aten more),
     "gemv+dot_linear" (bf16 on an AVX512-BF16 CPU without AMX), "onednn" (fp32 elsewhere), "gemv"
     (bf16: its few-row products), "gemv+amx_linear" (bf16 on a CPU with AMX: the AMX loop takes
     2-64 rows), "gemv+dot_linear+rows_linear" (bf16 where oneDNN would emulate it: dot_linear's AVX2
