@@ -313,11 +313,11 @@ def test_bf16_takes_the_kernels_and_small_models_keep_aten(wide_ckpt, qwen3_ckpt
 
 
 def test_the_avx512_only_kernel_is_not_built_where_it_cannot_run(tmp_path):
-    """causal_attention runs on AVX-512 only: on another host (an AVX2 VM, an Arm server) asking
-    for it must say no without building it (about 15 s, wasted), in a fresh Python with an empty
-    kernel cache. (gemv and rows_linear have AVX2 loops too.)"""
+    """causal_attention's bf16 loop runs on AVX-512 only: on another host (an AVX2 VM, an Arm server)
+    asking for it must say no without building it (about 15 s, wasted), in a fresh Python with an
+    empty kernel cache. (gemv, rows_linear and causal_attention's fp32 loop have AVX2 loops too.)"""
     if torch.cpu._is_avx512_supported():
         pytest.skip("this CPU has AVX-512: the kernel is built and run here (tests/test_eager_attention.py)")
-    code = "from executor.backends import eager_attention\nprint(eager_attention.kernel_runs())\n"
+    code = "import torch\nfrom executor.backends import eager_attention as a\nprint(a.kernel_runs(torch.bfloat16))\n"
     assert run_code(code, CANN_RECIPES_EXTENSIONS_DIR=str(tmp_path)).split() == ["False"]
     assert not any(tmp_path.iterdir()), "a kernel was built that this CPU cannot run"

@@ -238,9 +238,9 @@ class LinearKernel:
     weight in bf16 or fp32, except a single fp32 row on a CPU with AMX (aten_takes_single_rows);
     3-64 rows on dot_linear (in bf16 a CPU without AMX; on its AVX2 loop 3-16 in fp32, 3-11 in bf16:
     dot_max_rows); for more rows the rows kernel on a CPU without AVX-512 (in bf16 also where oneDNN
-    would emulate it: rows_run_plain; in fp32 up to PLAIN_MAX_ROWS_F32 rows, aten's past that), else oneDNN in fp32 and in bf16 the AMX loop (2-64 rows, a
-    CPU with AMX); the reference otherwise. The counts are
-    what metrics.json reports."""
+    would emulate it: rows_run_plain; in fp32 up to PLAIN_MAX_ROWS_F32 rows, aten's past that),
+    else oneDNN in fp32 and in bf16 the AMX loop (2-64 rows, a CPU with AMX); the reference
+    otherwise. The counts are what metrics.json reports."""
 
     def __init__(self):
         self.onednn_calls = 0
