@@ -1,8 +1,9 @@
-"""The bf16 causal attention of the eager prefill on CPU runs cann_cpu::causal_attention
-(executor.backends.eager_attention, csrc/causal_attention.cpp).
+"""The causal attention of the eager prefill on CPU runs cann_cpu::causal_attention
+(executor.backends.eager_attention, csrc/causal_attention.cpp): its bf16 loop on AVX512-BF16, its
+fp32 loop on AVX2 (taken on a CPU without AVX-512).
 
 The kernel is checked against fp64 attention (what it computes, at higher precision) with SDPA's
-own bf16 error on the same inputs as the yardstick; the runner's bf16 prefill against
+own error in the same dtype on the same inputs as the yardstick; the runner's prefill against
 transformers in fp32 on the same checkpoint.
 """
 
@@ -18,13 +19,20 @@ from executor.backends.eager_attention import AttentionKernel, qualifies
 from executor.custom_ops._build import cpu_has_avx512
 from executor.ops import reference as ops_reference
 from tests.no_compiler import run_without_compiler
-from tests.test_qwen_dense import PROMPT, hf_logits
+from tests.test_qwen_dense import PROMPT, assert_close_logits, hf_logits
+
+DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")]
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    if not eager_attention.kernel_runs():
+    if not eager_attention.kernel_runs(torch.bfloat16):
         pytest.skip("this CPU has no AVX512-BF16 (or no compiler to build the kernel)")
+
+
+def needs_loop(dtype: torch.dtype) -> None:
+    if not eager_attention.kernel_runs(dtype):
+        pytest.skip(f"this CPU cannot run the kernel's {dtype} loop (or there is no compiler to build it)")
 
 
 def reference(q, k, v, scale=None):
@@ -34,11 +42,11 @@ def reference(q, k, v, scale=None):
     )
 
 
-def inputs(b, hq, hkv, s, d, seed=0):
+def inputs(b, hq, hkv, s, d, seed=0, dtype=torch.bfloat16):
     """q as the model makes it (a transposed (B, S, H, D) view); k, v a slice of a longer cache."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, s, hq, d, generator=g).bfloat16().transpose(1, 2)
-    cache = torch.randn(2, b, hkv, s + 40, d, generator=g).bfloat16()
+    q = torch.randn(b, s, hq, d, generator=g).to(dtype).transpose(1, 2)
+    cache = torch.randn(2, b, hkv, s + 40, d, generator=g).to(dtype)
     return q, cache[0, :, :, :s], cache[1, :, :, :s]
 
 
@@ -49,32 +57,45 @@ def inputs(b, hq, hkv, s, d, seed=0):
         (2, 4, 4, 70, 64),  # two prompts, no grouping, a part of a 64-key tile
         (1, 14, 2, 257, 64),  # seven heads per KV head (Qwen2-0.5B), one key past a block
         (1, 2, 1, 1, 64),  # a single token
+        (1, 4, 2, 33, 32),  # fp32's tiles only: the tiny checkpoints' head_dim, a part of a 16-key tile
+        (1, 2, 2, 17, 16),
     ],
 )
-def test_kernel_matches_fp64_attention_as_closely_as_sdpa(kernel, b, hq, hkv, s, d):
-    q, k, v = inputs(b, hq, hkv, s, d)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_matches_fp64_attention_as_closely_as_sdpa(dtype, b, hq, hkv, s, d):
+    needs_loop(dtype)
+    if d % eager_attention.HEAD_DIM_MULTIPLE[dtype]:
+        pytest.skip(f"head_dim {d} is not a whole tile of the {dtype} loop")
+    q, k, v = inputs(b, hq, hkv, s, d, dtype=dtype)
     want = reference(q, k, v)
     got = torch.ops.cann_cpu.causal_attention(q, k, v, d**-0.5)
     sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    assert got.shape == (b, hq, s, d) and got.dtype == torch.bfloat16
+    assert got.shape == (b, hq, s, d) and got.dtype == dtype
     err, sdpa_err = (got.double() - want).abs(), (sdpa.double() - want).abs()
-    assert err.max() <= 1.5 * sdpa_err.max() + 1e-3
-    assert err.mean() <= 1.5 * sdpa_err.mean() + 1e-5
+    floor = 1e-3 if dtype == torch.bfloat16 else 1e-6  # one rounding of an output in the dtype, about
+    assert err.max() <= 1.5 * sdpa_err.max() + floor
+    assert err.mean() <= 1.5 * sdpa_err.mean() + floor / 100
 
 
-def test_the_scale_and_the_causal_mask_are_applied(kernel):
-    q, k, v = inputs(1, 4, 2, 96, 64, seed=1)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_scale_and_the_causal_mask_are_applied(dtype):
+    needs_loop(dtype)
+    q, k, v = inputs(1, 4, 2, 96, 64, seed=1, dtype=dtype)
     got = torch.ops.cann_cpu.causal_attention(q, k, v, 0.3).double()
-    assert (got - reference(q, k, v, scale=0.3)).abs().max() < 0.02
+    assert (got - reference(q, k, v, scale=0.3)).abs().max() < (0.02 if dtype == torch.bfloat16 else 1e-5)
     # The first query sees only the first key: its output is that key's value row.
     torch.testing.assert_close(got[:, :, 0], v[:, :, :1].repeat_interleave(2, 1)[:, :, 0].double(), rtol=0, atol=0)
 
 
-def test_only_plain_causal_bf16_calls_qualify():
+def test_only_plain_causal_bf16_and_fp32_calls_qualify():
     q, k, v = inputs(1, 4, 2, 16, 64)
     assert qualifies(q, k, v)
-    assert not qualifies(q.float(), k.float(), v.float())  # fp32 stays with SDPA
-    assert not qualifies(q[..., :48], k[..., :48], v[..., :48])  # head_dim not a multiple of 64
+    assert qualifies(q.float(), k.float(), v.float())
+    assert not qualifies(q.double(), k.double(), v.double())
+    assert not qualifies(q.float(), k, v)  # mixed dtypes
+    assert not qualifies(q[..., :48], k[..., :48], v[..., :48])  # head_dim not a multiple of 64 (bf16)
+    assert qualifies(*(t[..., :48].float() for t in (q, k, v)))  # fp32's tiles are 16 wide
+    assert not qualifies(*(t[..., :40].float() for t in (q, k, v)))
     assert not qualifies(q[:, :, :8], k, v)  # fewer queries than keys (a later chunk)
     assert not qualifies(q[:, :3], k, v)  # heads not a multiple of the KV heads
     with torch.enable_grad():
@@ -95,7 +116,7 @@ def test_the_table_entry_takes_causal_prefills_and_leaves_the_rest_to_the_refere
     with torch.no_grad():
         got = entry.attention(q, k, v, causal(40), 64**-0.5)
         for args in [
-            (q.float(), k.float(), v.float(), causal(40)),  # fp32
+            (q.double(), k.double(), v.double(), causal(40)),  # fp64
             (q, k, v, padded),  # another mask
             (q[:, :, :1], k[:, :, :1], v[:, :, :1], causal(1)),  # one query: the decode form
         ]:
@@ -127,23 +148,35 @@ def test_bf16_prefill_runs_the_kernel_and_matches_hf(kernel, wide_heads_ckpt, ma
     got = gen.first_logits[0].float()
     assert F.cosine_similarity(got, want, dim=0) > 0.99
 
-    fp32 = make_qwen_runner(wide_heads_ckpt)
-    fp32.generate([PROMPT], 2)
-    assert fp32.prefill_kernels.to_metrics()["prefill_attention"] == {"kernel": "sdpa", "kernel_calls": 0}
+
+def test_fp32_prefill_takes_the_kernel_on_a_cpu_without_avx512_and_matches_hf(wide_heads_ckpt, make_qwen_runner):
+    """The fp32 loop where it is taken (a CPU with AVX2 but no AVX-512), SDPA elsewhere; either way
+    the prefill's logits and the greedy tokens are transformers'."""
+    runner, ref = make_qwen_runner(wide_heads_ckpt), ckpt.load_reference(wide_heads_ckpt)
+    prompt = [(7 * i) % 90 + 3 for i in range(28)]  # past one 16-key tile, a part of the next
+    gen = runner.generate([prompt], 4)
+    taken = eager_attention.takes_prefill(torch.float32)
+    assert taken == (not cpu_has_avx512(torch.float32) and eager_attention.kernel_runs(torch.float32))
+    assert runner.prefill_kernels.to_metrics()["prefill_attention"] == {
+        "kernel": eager_attention.KERNEL if taken else "sdpa",
+        "kernel_calls": 2 * taken,
+    }
+    assert_close_logits(gen.first_logits[0], hf_logits(ref, prompt)[-1])
+    assert gen.token_ids == [ckpt.reference_greedy(ref, prompt, 4)]
 
 
-def test_no_compiler_is_one_line_and_sdpa_runs_the_calls(tmp_path):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_no_compiler_is_one_line_and_sdpa_runs_the_calls(tmp_path, dtype):
     """A fresh kernel cache and CXX pointing at nothing: the table entry says so once and every call is
     SDPA's (no error: the kernel is a speed choice, not something the user asked for)."""
-    if not cpu_has_avx512(torch.bfloat16):
-        pytest.skip("no AVX512-BF16 here: the kernel is never built, so there is no build to fail")
-    if not eager_attention.takes_prefill():
-        pytest.skip("a CPU with AMX: the prefill's attention stays SDPA's, so the kernel is never built for it")
+    if not eager_attention.takes_prefill(dtype):
+        pytest.skip(f"the {dtype} prefill's attention stays SDPA's here, so the kernel is never built for it")
+    name = str(dtype).removeprefix("torch.")
     code = (
         "import torch, torch.nn.functional as F\n"
         "from executor.backends.eager_attention import AttentionKernel\n"
-        "q = torch.randn(1, 4, 20, 64).bfloat16()\n"
-        "k, v = torch.randn(2, 1, 2, 20, 64).bfloat16()\n"
+        f"q = torch.randn(1, 4, 20, 64).to(torch.{name})\n"
+        f"k, v = torch.randn(2, 1, 2, 20, 64).to(torch.{name})\n"
         "mask = torch.ones(20, 20, dtype=torch.bool).triu_(1).view(1, 1, 20, 20)\n"
         "want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)\n"
         "entry = AttentionKernel()\n"

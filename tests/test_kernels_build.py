@@ -43,7 +43,10 @@ KERNELS = {
     "rows_linear.cpp": (_any_simd, lambda: packed_linear.kernel_runs(torch.float32)),
     "packed_call.cpp": (_any_simd, lambda: packed_linear.graph_op(torch.float32).name() == "cann_cpu::packed_call"),
     "amx_linear.cpp": (_build.cpu_has_amx, packed_linear.amx_runs),
-    "causal_attention.cpp": (lambda: _build.cpu_has_avx512(torch.bfloat16), eager_attention.kernel_runs),
+    "causal_attention.cpp": (
+        lambda: _build.cpu_has_avx512(torch.bfloat16) or _build.cpu_has_avx2(),
+        lambda: eager_attention.kernel_runs(torch.bfloat16 if _build.cpu_has_avx512(torch.bfloat16) else torch.float32),
+    ),
     "pointwise.cpp": (lambda: True, eager_pointwise.kernel_runs),  # ATen's vector types: any CPU
     "greedy.cpp": (lambda: True, greedy.kernel_runs),
 }

@@ -1,4 +1,4 @@
-"""bf16 causal attention of the eager prefill on CPU: this project's flash kernel instead of SDPA's.
+"""Causal attention of the eager prefill on CPU: this project's flash kernel instead of SDPA's.
 
 Why: on the reference machine (2-core AMD EPYC with AVX512-BF16) PyTorch's CPU flash attention
 ran one 2048-token Qwen3-0.6B layer (16 query heads, 8 KV heads, D = 128) in 123-136 ms in bf16,
@@ -8,11 +8,17 @@ faster at 128 and 512 tokens too (BENCHMARKS.md, "twelfth pass"): it packs each 
 AVX512-BF16's dot product, computes all the query heads of a group against each packed block, and
 never computes the blocks above the diagonal.
 
+Why fp32 too, on a CPU without AVX-512 (the kernel's AVX2 loop, 6 x 16 tiles as in rows_linear's):
+there SDPA ran the fp32 2048-token layer at ~127 GFLOP/s where the same CPU's fp32 GEMMs run
+~180, 26% of the fp32 prefill (BENCHMARKS.md, "sixty-second pass"). On an AVX-512 CPU fp32 stays
+with SDPA (not measured there).
+
 Only the plain causal case goes through here: `AttentionKernel.attention`, installed over the op
 table's reference attention around the runner's eager prefill (executor.backends.eager_kernels),
-takes a prefill from slot 0 (the mask the reference passes to SDPA as `is_causal`) in bf16 on CPU
-with whole 64-wide heads. Every other call (another mask, fp32, a head_dim the kernel does not
-tile, a CPU without AVX512-BF16) is the reference's, SDPA as before. The kernel is built on the
+takes a prefill from slot 0 (the mask the reference passes to SDPA as `is_causal`) on CPU in bf16
+with whole 64-wide heads, or in fp32 with whole 16-wide ones. Every other call (another mask, a
+head_dim the kernel does not tile, a CPU without the dtype's loop, fp32 on an AVX-512 CPU) is the
+reference's, SDPA as before. The kernel is built on the
 first call that qualifies, like a custom op's; where it cannot be built one line says so and
 SDPA runs the calls. metrics.json records which kernel ran (`prefill_attention`).
 """
@@ -24,63 +30,68 @@ from pathlib import Path
 
 import torch
 
-from executor.custom_ops._build import cpu_has_amx, cpu_has_avx512, load_optional_kernel
+from executor.custom_ops._build import cpu_has_amx, cpu_has_avx2, cpu_has_avx512, load_optional_kernel
 from executor.ops import reference
 
 KERNEL = "cann_cpu::causal_attention"
 KERNEL_SOURCE = Path(__file__).resolve().parent / "csrc" / "causal_attention.cpp"
-HEAD_DIM_MULTIPLE = 64  # the kernel's tile width over keys and output columns
+HEAD_DIM_MULTIPLE = {torch.bfloat16: 64, torch.float32: 16}  # each loop's tile width over keys and output columns
 
 _lib = torch.library.Library("cann_cpu", "FRAGMENT")  # the namespace is defined by packed_linear
 _lib.define("causal_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor")
-_lib.define("causal_attention_supported() -> bool")
+_lib.define("causal_attention_supported(ScalarType dtype) -> bool")
 
 
 @functools.cache
-def kernel_runs() -> bool:
-    """The kernel is built and loaded (once per machine / process) and this CPU has AVX512-BF16.
-    A build that cannot happen is said once, not raised: SDPA then runs every call."""
-    if not cpu_has_avx512(torch.bfloat16):
+def kernel_runs(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """The kernel is built and loaded (once per machine / process) and this CPU runs its loop for
+    `dtype` (bf16: AVX512-BF16; fp32: AVX2 and FMA). A build that cannot happen is said once, not
+    raised: SDPA then runs every call."""
+    if not (cpu_has_avx512(torch.bfloat16) if dtype == torch.bfloat16 else dtype == torch.float32 and cpu_has_avx2()):
         return False  # not built where it could never run
     built = load_optional_kernel(
         KERNEL,
         "cann_cpu_causal_attention",
         KERNEL_SOURCE,
         "eager_attention",
-        "the bf16 prefill attention runs on SDPA instead",
+        "the prefill attention runs on SDPA instead",
     )
-    return built and bool(torch.ops.cann_cpu.causal_attention_supported())
+    return built and bool(torch.ops.cann_cpu.causal_attention_supported(dtype))
 
 
 @functools.cache
-def takes_prefill() -> bool:
-    """The eager prefill's causal attention goes to the kernel: it runs here, and this CPU has no
-    AMX. On the one AMX host measured (an Intel Xeon) SDPA's CPU flash attention ran the bf16
-    2048-token 0.6B prefill in 1769 ms against 3744 with the kernel (BENCHMARKS.md, "twenty-fifth
-    pass"; likely its blocks on AMX tiles through oneDNN's brgemm, not profiled)."""
-    return not cpu_has_amx() and kernel_runs()
+def takes_prefill(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """The eager prefill's causal attention in `dtype` goes to the kernel where it runs: in bf16 on
+    a CPU without AMX, in fp32 on one without AVX-512. On the one AMX host measured (an Intel Xeon)
+    SDPA's CPU flash attention ran the bf16 2048-token 0.6B prefill in 1769 ms against 3744 with
+    the kernel (BENCHMARKS.md, "twenty-fifth pass"; likely its blocks on AMX tiles through oneDNN's
+    brgemm, not profiled)."""
+    if dtype == torch.float32:
+        return not cpu_has_avx512(dtype) and kernel_runs(dtype)
+    return dtype == torch.bfloat16 and not cpu_has_amx() and kernel_runs(dtype)
 
 
 def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Tensors the kernel takes: bf16 on CPU, (B, H, S, D) with as many keys as queries, whole
-    64-wide heads, grouped heads, nothing to differentiate."""
+    """Tensors the kernel takes: bf16 or fp32 on CPU, (B, H, S, D) with as many keys as queries,
+    whole heads of the dtype's tile width, grouped heads, nothing to differentiate."""
     return (
         q.device.type == "cpu"
-        and q.dtype == k.dtype == v.dtype == torch.bfloat16
+        and q.dtype == k.dtype == v.dtype
+        and q.dtype in HEAD_DIM_MULTIPLE
         and q.dim() == k.dim() == v.dim() == 4
         and k.shape == v.shape
         and q.shape[0] == k.shape[0]
         and q.shape[2] == k.shape[2] > 0
         and q.shape[3] == k.shape[3]
-        and q.shape[3] % HEAD_DIM_MULTIPLE == 0
+        and q.shape[3] % HEAD_DIM_MULTIPLE[q.dtype] == 0
         and q.shape[1] % k.shape[1] == 0
         and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
     )
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """softmax(q k^T scale, causal) v with the kernel; q (B, Hq, S, D), k and v (B, Hkv, S, D), bf16.
-    The caller checked `qualifies` and `kernel_runs`."""
+    """softmax(q k^T scale, causal) v with the kernel; q (B, Hq, S, D), k and v (B, Hkv, S, D), bf16
+    or fp32. The caller checked `qualifies` and `kernel_runs`."""
     rows_contiguous = [t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v)]
     return torch.ops.cann_cpu.causal_attention(*rows_contiguous, q.shape[-1] ** -0.5 if scale is None else scale)
 
@@ -93,7 +104,7 @@ class AttentionKernel:
         self.calls = 0
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
-        if q.shape[2] > 1 and qualifies(q, k, v) and takes_prefill() and reference.is_causal_mask(mask):
+        if q.shape[2] > 1 and qualifies(q, k, v) and takes_prefill(q.dtype) and reference.is_causal_mask(mask):
             self.calls += 1
             return causal_attention(q, k, v, scale)
         return reference.attention(q, k, v, mask, scale)

@@ -6,7 +6,7 @@ that are still the reference's own functions (executor.ops.over_reference) are t
   more rows in fp32, and
   `cann_cpu::rows_linear` for more rows in bf16 where oneDNN would emulate it
   (executor.backends.eager_linear);
-- `attention`: `cann_cpu::causal_attention` for the bf16 causal prefill (eager_attention);
+- `attention`: `cann_cpu::causal_attention` for the causal prefill, bf16 and fp32 (eager_attention);
 - `rms_norm`, `add_rms_norm`, `swiglu`, `rotary_mul`: one pass each; `kv_update`: row copies
   (eager_pointwise).
 Each takes only the calls it computes as the reference does and hands the others to the
@@ -54,7 +54,7 @@ class EagerKernels:
 
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype):
         self.linear_kernel = eager_linear.kernel_for(model, device, dtype)
-        self.attention = device.type == "cpu" and dtype == torch.bfloat16
+        self.attention = device.type == "cpu" and dtype in eager_attention.HEAD_DIM_MULTIPLE
         self.pointwise = device.type == "cpu" and dtype in eager_pointwise.DTYPES
         self.kernels = KernelTable()
 
