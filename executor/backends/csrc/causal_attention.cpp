@@ -111,7 +111,7 @@ CANN_TARGET inline void dot_tile(const uint16_t* a, int64_t lda, const uint16_t*
 // scaled by `scale`; updates the row's running max and sum, writes the bf16 probabilities to p
 // (0 past `valid`, up to `width`) and returns the factor the row's output is rescaled by.
 CANN_TARGET inline float softmax_row_bf16(const float* s, int64_t valid, int64_t width, float scale, float& row_max,
-                                     float& row_sum, uint16_t* p) {
+                                          float& row_sum, uint16_t* p) {
   const __m512 vscale = _mm512_set1_ps(scale);
   __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < valid; j += 16) {
