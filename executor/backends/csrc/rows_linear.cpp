@@ -60,7 +60,7 @@ inline void prefetch_lines(const char* pf, int lines) {
 
 // One bf16 tile: MB rows of x (row stride ldx) times one packed 64-column block (K2 pairs); each
 // pair step also prefetches `pfl` lines from `pf` on. It asks for nothing of its own block ahead
-// (the fp32 tile's `ahead`): unmeasured on the CPUs that run this loop (run_tiles).
+// (the fp32 tile's `ahead`), which was slower on Zen 4 (run_tiles).
 template <int MB>
 CANN_BF16_TARGET inline void bf16_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K2,
                                        const float* bias, uint16_t* y, int64_t ldy, const char* pf, int pfl,
@@ -146,23 +146,33 @@ constexpr TileFn<float> kF32Tiles[kRows + 1] = {
 // (in-process A/B, 9 alternating rounds, every round faster; BENCHMARKS.md, "fifty-eighth pass").
 // The likely reason: a down_proj block (768 KB) computing plus one and a half in flight nearly fill
 // that kind's 2 MB L2, so prefetched lines evict ones still to be read.
-// With one tile (2-6 rows) nothing streams the next block, and in fp32 the tile asks for its own
-// block's lines 32 steps (8 KB) ahead into L1 instead, as the AVX2 loop does: on the Intel AMX kind
-// the pass at 2-6 rows took 0.77-0.91x the time (in-process A/B, 9 alternating rounds, every round
-// faster) and the fp32 batch-4 step 0.80x (ge_graph) / 0.83x (SK decoder; "fifty-eighth pass").
-// With several tiles, which read the block from L2, the same ran 8-64 rows level or up to 1.1x
-// slower. On AMD Zen 4 / 5, which run this loop too, it is unmeasured (there 4 rows already read
-// 0.98x of a sum's rate: "ninth pass"). bf16's loop runs only there (the AMX kind has its own), so
-// bf16 asks for none.
+// On AMD Zen 4 the exact shares ran level with the rounded-up ones, in both dtypes at 16-64 rows
+// (one build, the scheme switched at run time, 15-41 rounds in random order; "sixty-fourth pass").
+// With one tile (2-6 rows) nothing streams the next block, and in fp32 on an Intel CPU the tile asks
+// for its own block's lines 32 steps (8 KB) ahead into L1 instead, as the AVX2 loop does: on the
+// Intel AMX kind the pass at 2-6 rows took 0.77-0.91x the time (in-process A/B, 9 alternating rounds,
+// every round faster) and the fp32 batch-4 step 0.80x (ge_graph) / 0.83x (SK decoder; "fifty-eighth
+// pass"). With several tiles, which read the block from L2, the same ran 8-64 rows level or up to
+// 1.1x slower. On AMD Zen 4 the look-ahead cost instead: without it the pass at 2 / 4 / 6 rows took
+// 0.91 / 0.88 / 0.90x the time (11 rounds, 10-11 of 11 faster; 16 KB ahead was no better), so an
+// AMD CPU (Zen 5 unmeasured) asks for none (own_ahead). bf16's loop runs only on AMD (the AMX kind
+// has its own) and asks for none either: 8 KB ahead made its pass at 4 rows 1.05x slower on Zen 4.
+// k steps a single fp32 tile asks for its own block ahead: kOwnAhead on an Intel CPU, none elsewhere
+// (run_tiles says why). Asked once, before the first parallel region.
+int64_t own_ahead() {
+  static const int64_t ahead = __builtin_cpu_is("intel") ? kOwnAhead : 0;
+  return ahead;
+}
+
 template <typename T>
 void run_tiles(const TileFn<T>* tiles, const T* x, int64_t M, int64_t K, const T* w, int64_t NB, int64_t kstep,
                const float* bias, T* y) {
   const int64_t N = NB * kCols, block = K * kCols, n_tiles = (M + kRows - 1) / kRows;
+  const int64_t ahead = n_tiles == 1 && std::is_same_v<T, float> ? own_ahead() : 0;
   cann::leftovers_for(NB, [&](int64_t nb, bool next) {
     const float* bb = bias ? bias + nb * kCols : nullptr;
     const bool prefetch = n_tiles > 1 && next;  // next: block nb + 1 exists and is this thread's
     const char* pf = reinterpret_cast<const char*>(w + (nb + 1) * block);
-    const int64_t ahead = n_tiles == 1 && std::is_same_v<T, float> ? kOwnAhead : 0;
     for (int64_t m0 = 0, t = 0, mb = 0; m0 < M; m0 += mb, ++t) {
       mb = M / n_tiles + (t < M % n_tiles);
       const int pfl = prefetch ? static_cast<int>((4 * (m0 + mb)) / M - (4 * m0) / M) : 0;
