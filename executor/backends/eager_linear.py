@@ -197,7 +197,9 @@ def gemv_in_graphs(dtype: torch.dtype, launch_unit: bool = False) -> bool:
       0.89-0.91x the time with the kernel in its unit (faster in 21 and 24 of 24 alternating
       rounds), while plain ge_graph with the kernel everywhere took 1.05-1.12x ("fifty-fifth pass").
       My guess at why (not profiled): the unit calls the kernel from its C++ wrapper, a plain
-      graph from Python, its kernels split around every call. The Zen 4 kind was not measured.
+      graph from Python, its kernels split around every call. On the Zen 4 kind the same A/B read
+      1.02x (faster in 4 of 12 and 13 of 40 rounds; "sixty-fourth pass"): kept there too, as a
+      rule per CPU generation for ~2% did not seem worth its keep.
     - fp32, AVX2 host (Zen 3): the kernel's AVX2 loop, whose threads take each other's leftover
       blocks, ran the 0.6B batch-1 ge_graph step in 0.96x the reductions' time (faster in 29 of
       40 alternating rounds; 0.99x in 9 at the forty-ninth pass) and the SK decoder step in 0.89x
