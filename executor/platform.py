@@ -169,16 +169,32 @@ def _npu_platform(torch_npu) -> Platform:
     return Platform("npu", "unknown", "Ascend (unknown SoC)", f"{first_error}; npu-smi unavailable")
 
 
-def _cpu_name() -> str:
+def _cpuinfo(field: str) -> str | None:
+    """The first processor's `field` in /proc/cpuinfo (Linux), or None."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
             for line in fh:
                 key, _, value = line.partition(":")
-                if key.strip() == "model name" and value.strip():
+                if key.strip() == field and value.strip():
                     return value.strip()
     except OSError:
         pass
-    return "cpu"
+    return None
+
+
+def _cpu_name() -> str:
+    return _cpuinfo("model name") or "cpu"
+
+
+ZEN4 = ("AuthenticAMD", 25)  # family 19h: Zen 3 and Zen 4; of the two only Zen 4 has AVX-512
+
+
+def cpu_family() -> tuple[str, int] | None:
+    """(vendor, family) of this x86 CPU from /proc/cpuinfo, e.g. ZEN4; None where Linux does not
+    say. For the few lowering rules that measured one way on one CPU generation and the other way
+    on the next (eager_linear.gemv_in_graphs)."""
+    vendor, family = _cpuinfo("vendor_id"), _cpuinfo("cpu family")
+    return (vendor, int(family)) if vendor and family and family.isdigit() else None
 
 
 def cpu_runs_bf16() -> bool:

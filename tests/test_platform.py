@@ -269,3 +269,19 @@ def test_bf16_is_native_exactly_where_linux_lists_avx512_bf16_or_amx():
     flags = _cpu_flags()
     native = "avx512_bf16" in flags or "amx_bf16" in flags
     assert plat.cpu_runs_bf16() == native
+
+
+def test_cpu_family_is_what_linux_says_of_the_first_processor():
+    """cpu_family (a lowering rule keyed on AMD Zen 4: eager_linear.gemv_in_graphs) against
+    /proc/cpuinfo read here; None where Linux gives no vendor or family (Arm, no /proc)."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            first = fh.read().split("\n\n")[0]
+    except OSError:
+        first = ""
+    info = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+    vendor, family = info.get("vendor_id"), info.get("cpu family")
+    expected = (vendor, int(family)) if vendor and family and family.isdigit() else None
+    assert plat.cpu_family() == expected
+    if expected == ("AuthenticAMD", 25):
+        assert plat.cpu_family() == plat.ZEN4

@@ -66,7 +66,7 @@ import torch
 from executor.backends import packed_linear
 from executor.custom_ops._build import cpu_has_amx, cpu_has_avx2, cpu_has_avx512, load_optional_kernel
 from executor.ops import reference
-from executor.platform import cpu_runs_bf16
+from executor.platform import ZEN4, cpu_family, cpu_runs_bf16
 
 GEMV_MAX_ROWS = 4  # the kernel's limit (csrc/gemv.cpp)
 DOT_MIN_ROWS, DOT_MAX_ROWS = 3, 64  # the rows the eager path gives dot_linear (the same source; it takes 1-64)
@@ -187,7 +187,7 @@ def gemv_in_graphs(dtype: torch.dtype, launch_unit: bool = False) -> bool:
     """A compiled decode graph's large single-row linears call the GEMV kernel instead of becoming
     Inductor's generated reductions (executor.backends.graph_passes): bf16 on a CPU without
     AVX512-BF16 or AMX, bf16 on one with AMX, bf16 inside a SuperKernel launch unit (`launch_unit`)
-    on any CPU the kernel runs on, and fp32 on a CPU without AVX-512.
+    on any CPU the kernel runs on but AMD Zen 4, and fp32 on a CPU without AVX-512.
     - bf16, AVX2 host: the reduction widened bf16 in generated code at 15-19 GB/s even from
       cache, below the read bandwidth, while the kernel read the 0.6B shape's weights at 25-60
       (BENCHMARKS.md, "nineteenth pass").
@@ -197,9 +197,13 @@ def gemv_in_graphs(dtype: torch.dtype, launch_unit: bool = False) -> bool:
       0.89-0.91x the time with the kernel in its unit (faster in 21 and 24 of 24 alternating
       rounds), while plain ge_graph with the kernel everywhere took 1.05-1.12x ("fifty-fifth pass").
       My guess at why (not profiled): the unit calls the kernel from its C++ wrapper, a plain
-      graph from Python, its kernels split around every call. On the Zen 4 kind the same A/B read
-      1.02x (faster in 4 of 12 and 13 of 40 rounds; "sixty-fourth pass"): kept there too, as a
-      rule per CPU generation for ~2% did not seem worth its keep.
+      graph from Python, its kernels split around every call.
+    - Not in a launch unit on Zen 4 (AMD family 19h with AVX512-BF16): there the kernel made the
+      unit's batch-1 step 1.055x slower than the reductions, in two runs of 20 rounds in turns
+      (the unit with the reductions 1.004x and 1.033x ge_graph's step, with the kernel 1.059x and
+      1.090x; BENCHMARKS.md, "sixty-fourth pass"). Leaving the unit's o_proj (2048 x 1024) to
+      Inductor's decomposition or making it a reduction read level there (1.005x), so on Zen 4
+      the unit's baseline is not what decides it (unmeasured on Zen 5).
     - fp32, AVX2 host (Zen 3): the kernel's AVX2 loop, whose threads take each other's leftover
       blocks, ran the 0.6B batch-1 ge_graph step in 0.96x the reductions' time (faster in 29 of
       40 alternating rounds; 0.99x in 9 at the forty-ninth pass) and the SK decoder step in 0.89x
@@ -209,7 +213,7 @@ def gemv_in_graphs(dtype: torch.dtype, launch_unit: bool = False) -> bool:
       Zen 5 host the kernel took 1.09x the ge_graph step's time and 1.00x SK decoder's
       ("fifty-fifth pass"), and on the AMX host the fp32 step took 112 ms with it, 85 without."""
     if dtype == torch.bfloat16:
-        wanted = launch_unit or not cpu_runs_bf16() or cpu_has_amx()
+        wanted = (launch_unit and cpu_family() != ZEN4) or not cpu_runs_bf16() or cpu_has_amx()
     else:
         wanted = dtype == torch.float32 and not cpu_has_avx512(dtype)
     return wanted and gemv_runs(dtype)  # asked last: it builds the kernel where it is not built yet
