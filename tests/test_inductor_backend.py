@@ -80,9 +80,9 @@ def test_a_gemv_inductor_decomposes_is_rewritten_only_where_it_does_not(launch_u
     assert max(mid.weight.shape) <= INDUCTOR_DECOMPOSE_MAX_DIM
     gm = _trace(lambda x: mid(x), torch.randn(1, 1, 512).to(dtype))
     # where the GEMV kernel takes large fp32 rows (an AVX2 host) it takes this one in a launch unit
-    # too; a bf16 one it takes in a launch unit wherever it runs (its C++ wrapper calls it)
+    # too; a bf16 one it takes in a launch unit wherever it runs (its C++ wrapper calls it) but on
+    # AMD Zen 4, where the reductions were faster there too;
     # where aten's single row is MKL's fast sgemv (fp32 on an Intel CPU with AMX) it stays aten's
-    # but on AMD Zen 4, where the reductions were faster in a launch unit too
     kernel = eager_linear.gemv_in_graphs(dtype, launch_unit)
     aten = eager_linear.aten_takes_single_rows(dtype)
     if dtype == torch.bfloat16 and launch_unit:

@@ -130,6 +130,13 @@ constexpr TileFn<uint16_t> kBf16Tiles[kRows + 1] = {
 constexpr TileFn<float> kF32Tiles[kRows + 1] = {
     nullptr, f32_tile<1>, f32_tile<2>, f32_tile<3>, f32_tile<4>, f32_tile<5>, f32_tile<6>};
 
+// k steps a single fp32 tile asks for its own block ahead: kOwnAhead on an Intel CPU, none elsewhere
+// (run_tiles, below, says why). Asked once, before the first parallel region.
+int64_t own_ahead() {
+  static const int64_t ahead = __builtin_cpu_is("intel") ? kOwnAhead : 0;
+  return ahead;
+}
+
 // Every 64-column block (in parallel, leftovers_for) times every tile of rows. `kstep` is the packed
 // weight's k extent per block (K/2 pairs in bf16, K in fp32), 256 bytes (4 cache lines) per step.
 //
@@ -154,16 +161,9 @@ constexpr TileFn<float> kF32Tiles[kRows + 1] = {
 // every round faster) and the fp32 batch-4 step 0.80x (ge_graph) / 0.83x (SK decoder; "fifty-eighth
 // pass"). With several tiles, which read the block from L2, the same ran 8-64 rows level or up to
 // 1.1x slower. On AMD Zen 4 the look-ahead cost instead: without it the pass at 2 / 4 / 6 rows took
-// 0.91 / 0.88 / 0.90x the time (11 rounds, 10-11 of 11 faster; 16 KB ahead was no better), so an
+// 0.91 / 0.88 / 0.90x the time (11 rounds, 10-11 of 11 faster; 4 KB ahead was no better), so an
 // AMD CPU (Zen 5 unmeasured) asks for none (own_ahead). bf16's loop runs only on AMD (the AMX kind
 // has its own) and asks for none either: 8 KB ahead made its pass at 4 rows 1.05x slower on Zen 4.
-// k steps a single fp32 tile asks for its own block ahead: kOwnAhead on an Intel CPU, none elsewhere
-// (run_tiles says why). Asked once, before the first parallel region.
-int64_t own_ahead() {
-  static const int64_t ahead = __builtin_cpu_is("intel") ? kOwnAhead : 0;
-  return ahead;
-}
-
 template <typename T>
 void run_tiles(const TileFn<T>* tiles, const T* x, int64_t M, int64_t K, const T* w, int64_t NB, int64_t kstep,
                const float* bias, T* y) {
