@@ -7,6 +7,7 @@ import types
 
 import pytest
 
+import tests.cpuinfo as cpuinfo
 from executor import platform as plat
 from executor.platform import (
     NpuChip,
@@ -252,21 +253,13 @@ def test_a_bf16_run_on_a_cpu_without_native_bf16_says_it_is_emulated(make_qwen_r
     assert said == (dtype == "bfloat16" and not plat.cpu_runs_bf16())
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            return next((set(line.split(":", 1)[1].split()) for line in fh if line.startswith("flags")), set())
-    except OSError:
-        return set()
-
-
-@pytest.mark.skipif(not _cpu_flags(), reason="no x86 flags in /proc/cpuinfo to check against")
+@pytest.mark.skipif(not cpuinfo.flags(), reason="no x86 flags in /proc/cpuinfo to check against")
 def test_bf16_is_native_exactly_where_linux_lists_avx512_bf16_or_amx():
     """cpu_runs_bf16 agrees with the CPU flags Linux reads (an independent source): oneDNN's own check
     also says yes on an AVX-512 core without AVX512-BF16 (an Intel Xeon, Ice Lake), where it emulates
     bf16 at a third of our AVX2 loop's rate (BENCHMARKS.md, "fifty-sixth pass"). On every kind of host
     either side of the equality can be the one that is wrong."""
-    flags = _cpu_flags()
+    flags = cpuinfo.flags()
     native = "avx512_bf16" in flags or "amx_bf16" in flags
     assert plat.cpu_runs_bf16() == native
 
@@ -274,14 +267,6 @@ def test_bf16_is_native_exactly_where_linux_lists_avx512_bf16_or_amx():
 def test_cpu_family_is_what_linux_says_of_the_first_processor():
     """cpu_family (a lowering rule keyed on AMD Zen 4: eager_linear.gemv_in_graphs) against
     /proc/cpuinfo read here; None where Linux gives no vendor or family (Arm, no /proc)."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            first = fh.read().split("\n\n")[0]
-    except OSError:
-        first = ""
-    info = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in first.splitlines())}
+    info = cpuinfo.first_processor()
     vendor, family = info.get("vendor_id"), info.get("cpu family")
-    expected = (vendor, int(family)) if vendor and family and family.isdigit() else None
-    assert plat.cpu_family() == expected
-    if expected == ("AuthenticAMD", 25):
-        assert plat.cpu_family() == plat.ZEN4
+    assert plat.cpu_family() == ((vendor, int(family)) if vendor and family and family.isdigit() else None)
