@@ -50,10 +50,28 @@ constexpr int64_t kShareBlock = 32;  // outputs a thread takes at a time (leftov
 #define CANN_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 #define CANN_F32_TARGET __attribute__((target("avx512f,avx512vl")))  // VL: sum4 and the tiles' 128-bit masked ops
 
+// How far ahead in a thread's stream the row loops below ask for the weight's lines into L2, where
+// they do (kAhead; see ahead_rows). On AMD Zen 4, one build with the look-ahead switched at run time
+// (the 0.6B projections, 7-11 rounds in random order, against a control arm that read 0.99-1.01):
+// one row took 0.85-0.91x the time in bf16 (five runs) and 0.87-0.92x in fp32 (three), two fp32
+// rows 0.91-0.94x; two bf16 rows took 1.04-1.35x (2 KB ahead 0.96-1.05x), three 1.10x. 2-3 KB
+// ahead gained less than 4, 8-16 KB less again, and into L1 (T0) cost 1.29x. The eager batch-1
+// step, in-process: 0.907x the time in bf16, 0.852x in fp32, 12 of 12 rounds faster
+// (BENCHMARKS.md, "sixty-fifth pass"). A prefetch never faults, so the last rows' lines past the
+// weight's end are only wasted requests.
+constexpr int64_t kRowAhead = 4096;
+
+// One weight row's 256 bytes from `p` on (4 lines), kRowAhead ahead, into L2.
+inline void ahead_l2(const void* p) {
+  const char* a = static_cast<const char*>(p) + kRowAhead;
+  for (int i = 0; i < 4; ++i) _mm_prefetch(a + 64 * i, _MM_HINT_T1);
+}
+
 // Output n of MB rows, bf16: the weight row read front to back (consecutive rows are consecutive
 // memory, so a thread's share of the weight is one sequential stream), 4 x 32 k values per step
-// into 4 independent accumulators per row of x, the tail 32 at a time, masked.
-template <int MB>
+// into 4 independent accumulators per row of x, the tail 32 at a time, masked. kAhead: each step
+// also asks for the stream's lines kRowAhead bytes on.
+template <int MB, bool kAhead = false>
 CANN_BF16_TARGET inline void bf16_row(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, float bias,
                                       uint16_t* y, int64_t ldy) {
   __m512 acc[MB][4];
@@ -61,6 +79,7 @@ CANN_BF16_TARGET inline void bf16_row(const uint16_t* x, int64_t ldx, const uint
     for (int u = 0; u < 4; ++u) acc[m][u] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 128 <= K; k += 128) {
+    if constexpr (kAhead) ahead_l2(w + k);
     __m512bh wr[4];
     for (int u = 0; u < 4; ++u) wr[u] = (__m512bh)_mm512_loadu_si512(w + k + 32 * u);
     for (int m = 0; m < MB; ++m)
@@ -80,7 +99,7 @@ CANN_BF16_TARGET inline void bf16_row(const uint16_t* x, int64_t ldx, const uint
 }
 
 // The same in fp32: 4 x 16 k values per step, FMA.
-template <int MB>
+template <int MB, bool kAhead = false>
 CANN_F32_TARGET inline void f32_row(const float* x, int64_t ldx, const float* w, int64_t K, float bias, float* y,
                                     int64_t ldy) {
   __m512 acc[MB][4];
@@ -88,6 +107,7 @@ CANN_F32_TARGET inline void f32_row(const float* x, int64_t ldx, const float* w,
     for (int u = 0; u < 4; ++u) acc[m][u] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 64 <= K; k += 64) {
+    if constexpr (kAhead) ahead_l2(w + k);
     __m512 wr[4];
     for (int u = 0; u < 4; ++u) wr[u] = _mm512_loadu_ps(w + k + 16 * u);
     for (int m = 0; m < MB; ++m)
@@ -397,6 +417,17 @@ template <typename T>
 using RowFn = void (*)(const T*, int64_t, const T*, int64_t, float, T*, int64_t);
 constexpr RowFn<uint16_t> kBf16[kMaxRows] = {bf16_row<1>, bf16_row<2>, bf16_row<3>, bf16_row<4>};
 constexpr RowFn<float> kF32[kMaxRows] = {f32_row<1>, f32_row<2>, f32_row<3>, f32_row<4>};
+// With the look-ahead where it was measured faster (kRowAhead): one bf16 row, one or two fp32 rows.
+// 3-4 rows go to dot_linear on these CPUs' eager path, and were left as they are.
+constexpr RowFn<uint16_t> kBf16Ahead[kMaxRows] = {bf16_row<1, true>, bf16_row<2>, bf16_row<3>, bf16_row<4>};
+constexpr RowFn<float> kF32Ahead[kMaxRows] = {f32_row<1, true>, f32_row<2, true>, f32_row<3>, f32_row<4>};
+
+// Whether the row loops take kBf16Ahead / kF32Ahead: on an AMD CPU, where they were measured (Zen 4;
+// Zen 5 unmeasured). Intel CPUs were not, and keep the loops without it. Asked once.
+bool ahead_rows() {
+  static const bool ahead = __builtin_cpu_is("amd");
+  return ahead;
+}
 
 // --- AVX2 + FMA (16 ymm registers), for a CPU without AVX-512 (or, in bf16, without AVX512-BF16) ---
 // x is fp32 here in either dtype (converted once per call, in cache). A bf16 weight row is read 16
@@ -708,11 +739,13 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
       run<float, void>(kAvx2F32[M - 1], xf.data_ptr<float>(), M, weight.data_ptr(), ldw, N, K, bp, y.data_ptr<float>());
     }
   } else if (dtype == at::kBFloat16) {
-    run<uint16_t, uint16_t>(kBf16[M - 1], reinterpret_cast<const uint16_t*>(x2.data_ptr()), M,
+    const RowFn<uint16_t>* rows = ahead_rows() ? kBf16Ahead : kBf16;
+    run<uint16_t, uint16_t>(rows[M - 1], reinterpret_cast<const uint16_t*>(x2.data_ptr()), M,
                             reinterpret_cast<const uint16_t*>(weight.data_ptr()), weight.stride(0) * 2, N, K, bp,
                             reinterpret_cast<uint16_t*>(y.data_ptr()));
   } else {
-    run<float, float>(kF32[M - 1], x2.data_ptr<float>(), M, weight.data_ptr<float>(), weight.stride(0) * 4, N, K,
+    const RowFn<float>* rows = ahead_rows() ? kF32Ahead : kF32;
+    run<float, float>(rows[M - 1], x2.data_ptr<float>(), M, weight.data_ptr<float>(), weight.stride(0) * 4, N, K,
                       bp, y.data_ptr<float>());
   }
 #endif
