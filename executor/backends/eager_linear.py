@@ -203,7 +203,10 @@ def gemv_in_graphs(dtype: torch.dtype, launch_unit: bool = False) -> bool:
       (the unit with the reductions 1.004x and 1.033x ge_graph's step, with the kernel 1.059x and
       1.090x; BENCHMARKS.md, "sixty-fourth pass"). Leaving the unit's o_proj (2048 x 1024) to
       Inductor's decomposition or making it a reduction read level there (1.005x), so on Zen 4
-      the unit's baseline is not what decides it (unmeasured on Zen 5).
+      the unit's baseline is not what decides it (unmeasured on Zen 5). With the kernel's one-row
+      look-ahead (csrc/gemv.cpp, kRowAhead) it still lost there: the unit 1.075x ge_graph's step
+      against 1.033x with the reductions, a plain graph with the kernel 1.069x in bf16 and 1.055x
+      in fp32 (16 rounds in turns; "sixty-fifth pass").
     - fp32, AVX2 host (Zen 3): the kernel's AVX2 loop, whose threads take each other's leftover
       blocks, ran the 0.6B batch-1 ge_graph step in 0.96x the reductions' time (faster in 29 of
       40 alternating rounds; 0.99x in 9 at the forty-ninth pass) and the SK decoder step in 0.89x

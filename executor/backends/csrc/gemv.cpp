@@ -52,10 +52,10 @@ constexpr int64_t kShareBlock = 32;  // outputs a thread takes at a time (leftov
 
 // How far ahead in a thread's stream the row loops below ask for the weight's lines into L2, where
 // they do (kAhead; see ahead_rows). On AMD Zen 4, one build with the look-ahead switched at run time
-// (the 0.6B projections, 7-11 rounds in random order, against a control arm that read 0.99-1.01):
-// one row took 0.85-0.91x the time in bf16 (five runs) and 0.87-0.92x in fp32 (three), two fp32
+// (the 0.6B projections, 7-11 rounds in random order, against a control arm that read 0.98-1.03):
+// one row took 0.85-0.91x the time in bf16 (five runs) and 0.87-0.91x in fp32 (two), two fp32
 // rows 0.91-0.94x; two bf16 rows took 1.04-1.35x (2 KB ahead 0.96-1.05x), three 1.10x. 2-3 KB
-// ahead gained less than 4, 8-16 KB less again, and into L1 (T0) cost 1.29x. The eager batch-1
+// ahead gained about as much or less, 8-16 KB less, and into L1 (T0) cost 1.29x. The eager batch-1
 // step, in-process: 0.907x the time in bf16, 0.852x in fp32, 12 of 12 rounds faster
 // (BENCHMARKS.md, "sixty-fifth pass"). A prefetch never faults, so the last rows' lines past the
 // weight's end are only wasted requests.
