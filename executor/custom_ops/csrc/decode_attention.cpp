@@ -199,6 +199,35 @@ inline void prefetch_rows(const char* rows, int64_t n, int64_t row_bytes, int64_
 #endif
 }
 
+// Whether an fp32 work item asks for its next block of K (and of V) rows while it computes one
+// (block_ahead): on an AMD CPU, where it was measured. On Zen 4 (one build with the look-ahead
+// switched at run time, 28 layers' caches of the 0.6B shape, 7 rounds in random order, against a
+// control that read 0.98-1.01), 512-8192 valid slots at batch 1-16 took 0.79-0.84x the time; 24
+// slots at batch 16 read level (0.99x). bf16 took 1.38-1.61x the time with it at the same shapes,
+// and two blocks ahead read like one in both dtypes (BENCHMARKS.md, "sixty-fifth pass"). fp16 and
+// other CPUs were not measured and keep the loop without it.
+bool block_ahead() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool ahead = __builtin_cpu_is("amd");
+  return ahead;
+#else
+  return false;
+#endif
+}
+
+// Ask for rows [a, min(a + kBlock, n)) of `rows` (`stride` elements apart, `D` values of T each)
+// into L2, if a < n.
+template <typename T>
+inline void prefetch_block(const T* rows, int64_t stride, int64_t a, int64_t n, int64_t D) {
+#if defined(__GNUC__)
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+  for (int64_t t = a; t < std::min(a + kBlock, n); ++t) {
+    const char* row = reinterpret_cast<const char*>(rows + t * stride);
+    for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(row + o, 0, 2);
+  }
+#endif
+}
+
 // Rows t = 0..nb-1 of `src` (row stride `stride`) as fp32 rows: returns where they are and their
 // stride. fp32 rows are read in place where they fill whole vectors and no slot of the block is
 // masked; otherwise they are widened into `dst` (row stride Dv), a masked slot's row as zeros (a
@@ -258,6 +287,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
     std::vector<float> qf(G * Dv, 0.0f), acc(G * Dv), rows(kBlock * Dv, 0.0f), inv(G), scores, qsplit(G * Dv);
     constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
     const bool split = kBf16 && D % (2 * kL) == 0;  // K read in place by dots_bf16
+    const bool ahead = std::is_same_v<scalar_t, float> && block_ahead();
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item % S, h = (item / S) % Hkv, b = item / (S * Hkv);
       const bool* m = mp + b * ms0 + s * ms2;
@@ -285,6 +315,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       }
       for (int64_t t0 = 0; t0 < n; t0 += kBlock) {  // scores of a block of slots, all G rows
         const int64_t nb = std::min(kBlock, n - t0);
+        if (ahead) prefetch_block(kr, ks2, t0 + kBlock, n, D);
         if constexpr (kBf16) {
           if (split) {  // a masked slot's row may hold anything here: its score is set to -inf below
             for (int64_t g = 0; g < G; ++g)
@@ -305,6 +336,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       const scalar_t* vr = vp + b * vs0 + h * vs1;
       for (int64_t t0 = 0; t0 < n; t0 += kBlock) {  // acc += p V over a block of slots, in registers
         const int64_t nb = std::min(kBlock, n - t0);
+        if (ahead) prefetch_block(vr, vs2, t0 + kBlock, n, D);
         if constexpr (kBf16) {
           if (split) {  // acc per group: the even values' sums, then the odd values'
             for (int64_t g = 0; g < G; ++g) {
