@@ -18,9 +18,8 @@
 // widening, the output accumulated in memory) one Qwen3-0.6B-shaped layer took 0.62-0.84x the time
 // at batch 1-64 and up to 2k valid slots, bf16 and fp32 (BENCHMARKS.md, "fourteenth pass").
 //
-// Not done: bf16 K rows could feed AVX512-BF16's dot product without widening (as
-// executor/backends/csrc/causal_attention.cpp does); at 2k valid slots in bf16 this kernel is only
-// about level with the masked reference's oneDNN products (0.86x and 1.04x their time, two runs).
+// On a CPU with AVX512-BF16 the bf16 scores come from its dot product (vdpbf16ps) on the K rows as
+// stored (k_scores_bf16); the V rows are still widened in registers.
 
 #include "cpu_vec.h"  // first: ATen's vector width
 
@@ -35,6 +34,12 @@
 #include <limits>
 #include <utility>
 #include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define CANN_ATTN_BF16 1
+#define CANN_ATTN_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#endif
 
 namespace {
 
@@ -180,6 +185,64 @@ float exp_row(float* row, int64_t n) {
 
 constexpr int64_t kBlock = 32;  // cache slots widened to fp32 at a time (32 x 128 fp32 = 16 KiB)
 
+// The bf16 scores on AVX512-BF16 (native_bf16_scores): out[g * ldo + t] = scale * (q_g . k_t) for the
+// G query rows (bf16, `ldq` apart, as given: unscaled, so exact) and K rows t < nb (`stride` apart),
+// D a multiple of 32, at most kNativeMaxD. Each head's q stays in registers; four K rows at a time
+// go through one vdpbf16ps per 32 values into four accumulators, summed together (sums_of_4). The
+// products and their sums are fp32, as the masked reference's (oneDNN's) are; the scale is applied
+// to the fp32 sum. Against the shift-and-FMA loop (dots_bf16), on Zen 4 (28 layers' caches of the
+// 0.6B shape, one build switched at run time, 7 rounds in random order, three runs, control
+// 0.95-1.04) a call took 0.78-0.94x the time at 24-8192 valid slots and batch 1-16, with the same
+// largest error against fp64 (BENCHMARKS.md, "sixty-fifth pass"). Rows past nb are never read: a
+// short last group repeats its first row and drops those sums.
+constexpr int64_t kNativeMaxD = 256;
+
+#ifdef CANN_ATTN_BF16
+// lanes 0-3: the sums of the lanes of a[0..3]
+CANN_ATTN_BF16_TARGET inline __m128 sums_of_4(const __m512* a) {
+  const __m512 t01 = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x44), _mm512_shuffle_f32x4(a[0], a[1], 0xEE));
+  const __m512 t23 = _mm512_add_ps(_mm512_shuffle_f32x4(a[2], a[3], 0x44), _mm512_shuffle_f32x4(a[2], a[3], 0xEE));
+  __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(t01, t23, 0x88), _mm512_shuffle_f32x4(t01, t23, 0xDD));
+  u = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E));  // block r now holds a[r]'s four partial sums
+  u = _mm512_add_ps(u, _mm512_permute_ps(u, 0xB1));
+  const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, u));
+}
+
+CANN_ATTN_BF16_TARGET void k_scores_bf16(const uint16_t* q, int64_t ldq, int64_t G, const uint16_t* k,
+                                         int64_t stride, int64_t nb, int64_t D, float scale, float* out,
+                                         int64_t ldo) {
+  const int64_t C = D / 32;
+  const __m128 vscale = _mm_set1_ps(scale);
+  for (int64_t g = 0; g < G; ++g) {
+    __m512bh qv[kNativeMaxD / 32];
+    for (int64_t c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + g * ldq + 32 * c);
+    for (int64_t t = 0; t < nb; t += 4) {
+      const int64_t left = std::min<int64_t>(4, nb - t);
+      const uint16_t* rows[4];
+      for (int64_t i = 0; i < 4; ++i) rows[i] = k + (t + (i < left ? i : 0)) * stride;
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int64_t c = 0; c < C; ++c)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i)
+          acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(rows[i] + 32 * c), qv[c]);
+      const __mmask8 keep = static_cast<__mmask8>((1u << left) - 1);
+      _mm_mask_storeu_ps(out + g * ldo + t, keep, _mm_mul_ps(sums_of_4(acc), vscale));
+    }
+  }
+}
+#endif
+
+// Whether this CPU runs k_scores_bf16 (asked once).
+bool native_bf16_scores() {
+#ifdef CANN_ATTN_BF16
+  static const bool native = __builtin_cpu_supports("avx512bf16");
+  return native;
+#else
+  return false;
+#endif
+}
+
 // How much of the next work item's K rows, and as much of its V rows, a work item asks for (into
 // L2) before it starts. Why: at a short context an item is a few KB of K and V (24 bf16 slots of
 // 128: 6 KB each) that each start a new stream, and a thread spent most of an item waiting on its
@@ -287,6 +350,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
     std::vector<float> qf(G * Dv, 0.0f), acc(G * Dv), rows(kBlock * Dv, 0.0f), inv(G), scores, qsplit(G * Dv);
     constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
     const bool split = kBf16 && D % (2 * kL) == 0;  // K read in place by dots_bf16
+    const bool native = kBf16 && D % 32 == 0 && D <= kNativeMaxD && native_bf16_scores();  // k_scores_bf16
     const bool ahead = std::is_same_v<scalar_t, float> && block_ahead();
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item % S, h = (item / S) % Hkv, b = item / (S * Hkv);
@@ -317,6 +381,12 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         const int64_t nb = std::min(kBlock, n - t0);
         if (ahead) prefetch_block(kr, ks2, t0 + kBlock, n, D);
         if constexpr (kBf16) {
+#ifdef CANN_ATTN_BF16
+          if (native) {  // a masked slot's row may hold anything here: its score is set to -inf below
+            k_scores_bf16(reinterpret_cast<const uint16_t*>(qp + ((b * Hq + h * G) * S + s) * D), S * D, G,
+                          reinterpret_cast<const uint16_t*>(kr + t0 * ks2), ks2, nb, D, fscale, scores.data() + t0, n);
+          } else
+#endif
           if (split) {  // a masked slot's row may hold anything here: its score is set to -inf below
             for (int64_t g = 0; g < G; ++g)
               dots_bf16(qsplit.data() + g * Dv, qsplit.data() + g * Dv + D / 2, kr + t0 * ks2, ks2, nb, D,
