@@ -263,15 +263,16 @@ inline void prefetch_rows(const char* rows, int64_t n, int64_t row_bytes, int64_
 }
 
 // Whether an fp32 work item asks for its next block of K (and of V) rows while it computes one
-// (block_ahead): on an AMD CPU, where it was measured. On Zen 4 (one build with the look-ahead
-// switched at run time, 28 layers' caches of the 0.6B shape, 7 rounds in random order, against a
-// control that read 0.98-1.01), 512-8192 valid slots at batch 1-16 took 0.79-0.84x the time; 24
-// slots at batch 16 read level (0.99x). bf16 took 1.38-1.61x the time with it at the same shapes,
-// and two blocks ahead read like one in both dtypes (BENCHMARKS.md, "sixty-fifth pass"). fp16 and
-// other CPUs were not measured and keep the loop without it.
+// (block_ahead): on an AMD CPU with AVX-512 (Zen 4, where it was measured; Zen 5 unmeasured). On
+// Zen 4 (one build with the look-ahead switched at run time, 28 layers' caches of the 0.6B shape,
+// 7 rounds in random order, against a control that read 0.98-1.01), 512-8192 valid slots at batch
+// 1-16 took 0.79-0.84x the time; 24 slots at batch 16 read level (0.99x). bf16 took 1.38-1.61x the
+// time with it at the same shapes, and two blocks ahead read like one in both dtypes (BENCHMARKS.md,
+// "sixty-fifth pass"). fp16, Zen 3 (the AVX2 kind) and Intel CPUs were not measured and keep the
+// loop without it.
 bool block_ahead() {
 #if defined(__x86_64__) && defined(__GNUC__)
-  static const bool ahead = __builtin_cpu_is("amd");
+  static const bool ahead = __builtin_cpu_is("amd") && __builtin_cpu_supports("avx512f");
   return ahead;
 #else
   return false;
