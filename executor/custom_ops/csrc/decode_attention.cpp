@@ -351,7 +351,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
     std::vector<float> qf(G * Dv, 0.0f), acc(G * Dv), rows(kBlock * Dv, 0.0f), inv(G), scores, qsplit(G * Dv);
     constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
     const bool split = kBf16 && D % (2 * kL) == 0;  // K read in place by dots_bf16
-    const bool native = kBf16 && D % 32 == 0 && D <= kNativeMaxD && native_bf16_scores();  // k_scores_bf16
+    [[maybe_unused]] const bool native = kBf16 && D % 32 == 0 && D <= kNativeMaxD && native_bf16_scores();
     const bool ahead = std::is_same_v<scalar_t, float> && block_ahead();
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item % S, h = (item / S) % Hkv, b = item / (S * Hkv);
