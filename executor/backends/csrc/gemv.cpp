@@ -30,6 +30,7 @@
 #include <torch/library.h>
 
 #include "linear_io.h"
+#include "x86_sums.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -48,7 +49,7 @@ constexpr int64_t kShareBlock = 32;  // outputs a thread takes at a time (leftov
 
 #ifdef CANN_GEMV
 #define CANN_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-#define CANN_F32_TARGET __attribute__((target("avx512f,avx512vl")))  // VL: sum4 and the tiles' 128-bit masked ops
+#define CANN_F32_TARGET __attribute__((target("avx512f,avx512vl")))  // VL: the tiles' 128-bit masked ops
 
 // How far ahead in a thread's stream the row loops below ask for the weight's lines into L2, where
 // they do (kAhead; see ahead_rows). On AMD Zen 4, one build with the look-ahead switched at run time
@@ -133,29 +134,13 @@ CANN_F32_TARGET inline void f32_row(const float* x, int64_t ldx, const float* w,
 // 16 in fp32) it loads the kTileW weight rows' values and each x row's, and adds kTileW x kTileX
 // dot-product vectors (24 accumulators + 4 weights + 1 x <= 32 zmm). That is the packed loop's
 // ratio of loads to products (rows_linear: 4 weight vectors + 6 broadcasts per 24), on the weight
-// as stored, at the cost of one horizontal sum per output (sum4: ~3.5 instructions an output,
+// as stored, at the cost of one horizontal sum per output (sums_of_4: ~3.5 instructions an output,
 // against 32 products per output at K = 1024). A block of kTileW weight rows is read from memory
 // by its first tile of rows and from cache by the others, which prefetch the next block
 // (contiguous when the rows are) into L2 meanwhile, as run_tiles does for the packed loop.
 constexpr int kTileW = 4;
 constexpr int kTileX = 6;
 constexpr int kDotMaxRows = 64;
-
-// The sums of four vectors' lanes, in lanes 0-3 (a[r] for r >= R is treated as zero).
-template <int R>
-CANN_F32_TARGET inline __m128 sum4(const __m512* a) {
-  const __m512 z = _mm512_setzero_ps();
-  const __m512 a0 = a[0], a1 = R > 1 ? a[1] : z, a2 = R > 2 ? a[2] : z, a3 = R > 3 ? a[3] : z;
-  // 128-bit blocks: [a0 lo half, a0 hi half, a1 lo, a1 hi] summed pairwise, the same for a2, a3
-  const __m512 t01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
-  const __m512 t23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
-  // block r: four partial sums of a[r]
-  __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(t01, t23, 0x88), _mm512_shuffle_f32x4(t01, t23, 0xDD));
-  u = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E));
-  u = _mm512_add_ps(u, _mm512_permute_ps(u, 0xB1));
-  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                                                        0, 0), u));
-}
 
 // Touch `lines` cache lines from `pf` on into L2: the caller's share of the next block.
 inline void prefetch_l2(const char* pf, int lines) {
@@ -192,7 +177,7 @@ CANN_BF16_TARGET inline void bf16_dots(const uint16_t* x, int64_t ldx, const uin
   const __m128 b = bias ? _mm_maskz_loadu_ps(out, bias) : _mm_setzero_ps();
 #pragma GCC unroll 8
   for (int s = 0; s < S; ++s)
-    _mm_mask_storeu_epi16(y + s * ldy, out, (__m128i)_mm_cvtneps_pbh(_mm_add_ps(sum4<R>(acc[s]), b)));
+    _mm_mask_storeu_epi16(y + s * ldy, out, (__m128i)_mm_cvtneps_pbh(_mm_add_ps(cann::sums_of_4<R>(acc[s]), b)));
 }
 
 // The same in fp32: 16 k values per step, FMA.
@@ -221,7 +206,7 @@ CANN_F32_TARGET inline void f32_dots(const float* x, int64_t ldx, const float* w
   const __mmask8 out = static_cast<__mmask8>((1u << R) - 1);
   const __m128 b = bias ? _mm_maskz_loadu_ps(out, bias) : _mm_setzero_ps();
 #pragma GCC unroll 8
-  for (int s = 0; s < S; ++s) _mm_mask_storeu_ps(y + s * ldy, out, _mm_add_ps(sum4<R>(acc[s]), b));
+  for (int s = 0; s < S; ++s) _mm_mask_storeu_ps(y + s * ldy, out, _mm_add_ps(cann::sums_of_4<R>(acc[s]), b));
 }
 
 template <typename T>

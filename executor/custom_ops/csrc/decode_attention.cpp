@@ -37,6 +37,8 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
+
+#include "x86_sums.h"
 #define CANN_ATTN_BF16 1
 #define CANN_ATTN_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 #endif
@@ -198,17 +200,6 @@ constexpr int64_t kBlock = 32;  // cache slots widened to fp32 at a time (32 x 1
 constexpr int64_t kNativeMaxD = 256;
 
 #ifdef CANN_ATTN_BF16
-// lanes 0-3: the sums of the lanes of a[0..3]
-CANN_ATTN_BF16_TARGET inline __m128 sums_of_4(const __m512* a) {
-  const __m512 t01 = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x44), _mm512_shuffle_f32x4(a[0], a[1], 0xEE));
-  const __m512 t23 = _mm512_add_ps(_mm512_shuffle_f32x4(a[2], a[3], 0x44), _mm512_shuffle_f32x4(a[2], a[3], 0xEE));
-  __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(t01, t23, 0x88), _mm512_shuffle_f32x4(t01, t23, 0xDD));
-  u = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E));  // block r now holds a[r]'s four partial sums
-  u = _mm512_add_ps(u, _mm512_permute_ps(u, 0xB1));
-  const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-  return _mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, u));
-}
-
 CANN_ATTN_BF16_TARGET void k_scores_bf16(const uint16_t* q, int64_t ldq, int64_t G, const uint16_t* k,
                                          int64_t stride, int64_t nb, int64_t D, float scale, float* out,
                                          int64_t ldo) {
@@ -227,7 +218,7 @@ CANN_ATTN_BF16_TARGET void k_scores_bf16(const uint16_t* q, int64_t ldq, int64_t
         for (int i = 0; i < 4; ++i)
           acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(rows[i] + 32 * c), qv[c]);
       const __mmask8 keep = static_cast<__mmask8>((1u << left) - 1);
-      _mm_mask_storeu_ps(out + g * ldo + t, keep, _mm_mul_ps(sums_of_4(acc), vscale));
+      _mm_mask_storeu_ps(out + g * ldo + t, keep, _mm_mul_ps(cann::sums_of_4(acc), vscale));
     }
   }
 }
