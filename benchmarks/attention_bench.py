@@ -8,6 +8,12 @@ position a 16k-slot cache should cost what a 2k-slot one does (target: within 1.
 Two tables (CPU: portable measurements, not Ascend results):
 - op: one attention call of a Qwen3-8B layer (32 query / 8 kv heads, head_dim 128, batch 1) at
   position --position, for cache lengths --lengths; masked reference (eager) vs the custom op;
+- stream (--stream): the custom op over 28 layers' caches of the Qwen3-8B layer's heads, every slot
+  valid (position + 1 of them), batch --batch, in both dtypes: each pass reads every layer's K and
+  V once, from memory (the op table's single layer stays in the L3), and the table gives the KV
+  bytes over the time as GB/s and as a share of an fp32 sum's rate read between passes. The op
+  had read them at 0.42-0.65 of that rate on Zen 4 (BENCHMARKS.md, "sixty-fifth pass"), which at
+  8k cached tokens is a large part of a step;
 - step: the whole decode step of a recipe (--size, random weights) at that position, per
   exe_mode, with and without the custom op. The cache is filled with random values instead of
   running a --position-token prefill (the step's cost does not depend on the values); each row's
@@ -20,6 +26,7 @@ and 1.03x as ratios of best rounds (BENCHMARKS.md, "twenty-third pass").
 
   python benchmarks/attention_bench.py
   python benchmarks/attention_bench.py --size bench-overhead --lengths 2048,16384 --modes ge_graph,decoder --threads 1
+  python benchmarks/attention_bench.py --stream --position 8191 --lengths 8192 --no-op-table --modes ''
   python benchmarks/attention_bench.py --size qwen3-0.6b --batch 4 --dtype bfloat16 --lengths 256,1024 \
       --position 255 --modes ge_graph --no-op-table
   # target 3 at the 0.6B shape, one mode per run (with two, the memory pre-flight refused it on a 24 GiB host):
@@ -99,6 +106,43 @@ def op_table(lengths: list[int], position: int, dtype: torch.dtype, rounds: int)
     return [(t, ms[(t, "reference")], ms[(t, "custom")], diffs[t]) for t in lengths]
 
 
+STREAM_LAYERS = 28  # a Qwen3-0.6B/8B-deep stack: 28 layers' caches are far larger than the L3
+
+
+def stream_table(position: int, batch: int, rounds: int) -> list[tuple]:
+    """(dtype, KV MB a pass, ms a pass, GB/s, share of the sum's rate) for the custom op over
+    STREAM_LAYERS layers' caches, every slot valid: the best pass of `rounds`, and the median of
+    the fp32 sum's rates read right before each pass (the VM's rate moves between minutes)."""
+    from benchmarks.decode_bench import read_bandwidth_gbs  # here: only --stream reads the bandwidth
+
+    custom_ops.cpu_kernel(custom_ops.load("decode_attention"))
+    platform, g, t = detect("cpu"), torch.Generator().manual_seed(0), position + 1
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        layers = [
+            tuple(
+                torch.randn(batch, h, s, OP_SHAPE["d"], generator=g).to(dtype)
+                for h, s in ((OP_SHAPE["hq"], 1), (OP_SHAPE["hkv"], t), (OP_SHAPE["hkv"], t))
+            )
+            for _ in range(STREAM_LAYERS)
+        ]
+        mask = torch.zeros(batch, 1, 1, t, dtype=torch.bool)
+        nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for _, k, v in layers)
+        passes, rates = [], []
+        for r in range(rounds + 1):  # the first pass warms up (builds nothing: the kernel is loaded)
+            rate = read_bandwidth_gbs(platform)
+            t0 = time.perf_counter()
+            for q, k, v in layers:
+                torch.ops.cann.decode_attention(q, k, v, mask, 0.088)
+            if r:
+                passes.append(time.perf_counter() - t0)
+                rates.append(rate)
+        best, sum_rate = min(passes), sorted(rates)[len(rates) // 2]
+        rows.append((str(dtype)[6:], nbytes / 1e6, best * 1e3, nbytes / best / 1e9, nbytes / best / 1e9 / sum_rate))
+        del layers
+    return rows
+
+
 def build_step(recipe: str, size: str, mode: str, custom: bool, t: int, position: int, batch: int, dtype: str):
     """A compiled decode step of the recipe at `position` with a static cache of `t` slots filled
     with random values, every row of `batch` at that position; returns (call, first logits,
@@ -142,6 +186,9 @@ def main(argv=None) -> int:
     p.add_argument("--modes", type=name_list, default="eager,ge_graph,decoder", help=f"of {', '.join(MODES)}")
     p.add_argument("--rounds", type=int, default=7, help="timing rounds (each config timed once per round; best kept)")
     p.add_argument("--no-op-table", action="store_true", help="skip the single-layer op table")
+    p.add_argument(
+        "--stream", action="store_true", help="also time the op over 28 layers' caches (from memory): its KV read rate"
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--batch", type=int, default=1, help="decode rows of the step table (default: 1)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="run dtype of the step table")
@@ -170,6 +217,17 @@ def main(argv=None) -> int:
                 print(f"| {t} | {ref:.3f} | {ours:.3f} | {ref / ours:.1f}x | {diff:.1e} |")
             base = rows[0][2]
             print(f"decode_attention at {lengths[-1]} / at {lengths[0]} slots: {rows[-1][2] / base:.2f}x")
+    if args.stream:
+        print(
+            f"\n## stream: decode_attention over {STREAM_LAYERS} layers' caches (32/8 heads, D 128), "
+            f"batch {args.batch}, {args.position + 1} valid slots, best of {args.rounds} passes"
+        )
+        print("| dtype | KV MB a pass | ms a pass | KV GB/s | x the fp32 sum's rate |")
+        print("|---|---|---|---|---|")
+        for dtype, mb, ms, gbs, share in stream_table(args.position, args.batch, args.rounds):
+            print(f"| {dtype} | {mb:.1f} | {ms:.3f} | {gbs:.1f} | {share:.2f} |", flush=True)
+    if not args.modes:
+        return 0
     built = {}
     for mode in args.modes:
         for custom in (False, True):
