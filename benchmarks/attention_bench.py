@@ -5,7 +5,7 @@ Why: with a static cache the masked attention scores all max_len slots, so a dec
 position p costs what max_len says. The custom op reads slots [0, p] only, so at the same
 position a 16k-slot cache should cost what a 2k-slot one does (target: within 1.1x).
 
-Two tables (CPU: portable measurements, not Ascend results):
+Tables (CPU: portable measurements, not Ascend results):
 - op: one attention call of a Qwen3-8B layer (32 query / 8 kv heads, head_dim 128, batch 1) at
   position --position, for cache lengths --lengths; masked reference (eager) vs the custom op;
 - stream (--stream): the custom op over 28 layers' caches of the Qwen3-8B layer's heads, every slot
