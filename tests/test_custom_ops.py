@@ -75,7 +75,9 @@ def test_kernel_several_query_rows_and_a_mask_with_holes(kernel):
     torch.testing.assert_close(kernel(q, k, v, mask, 0.2), sdpa(q, k, v, mask, 0.2), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("d", [128, 40])  # whole vectors (read in place in fp32) / a padded last vector
+# whole vectors (read in place in fp32; in bf16 on AVX512-BF16 four and two 32-value vectors a row) /
+# a padded last vector
+@pytest.mark.parametrize("d", [128, 64, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_blocks_of_slots_with_masked_garbage_inside(kernel, d, dtype):
     """Over 32 slots (several blocks of the kernel), holes across a block edge whose cache rows hold

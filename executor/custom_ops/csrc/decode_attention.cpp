@@ -222,6 +222,52 @@ CANN_ATTN_BF16_TARGET void k_scores_bf16(const uint16_t* q, int64_t ldq, int64_t
     }
   }
 }
+
+// The bf16 V pass for a pair of query heads (where k_scores_bf16 runs, G >= 4 even, D <= 128): acc_g
+// (a row of `lda` floats per head, the even values' sums in [0, D/2), the odd values' in [D/2, D), as
+// accumulate_bf16 keeps them) += p_g[t] * v_t over the unmasked t < nb, g = 0, 1. All C = D / 32 of a
+// V row's vectors and both heads' sums stay in registers (4C accumulators), so each V row is loaded
+// and split once per pair of heads instead of once per head. On Zen 4 (one build switched at run
+// time, 7 rounds in random order), with the scores above: Qwen3-8B-shaped heads (four to a kv head)
+// took 0.92-0.96x the time of the scores change alone at 2048-8192 slots. With two heads to a kv
+// head (the 0.6B shape) it read 0.99-1.04x, so G = 2 keeps the loop per head (BENCHMARKS.md,
+// "sixty-fifth pass").
+template <int C>
+CANN_ATTN_BF16_TARGET void v_pair_bf16(const float* p, int64_t ldp, const uint16_t* v, int64_t stride,
+                                       const bool* m, int64_t ms, int64_t nb, int64_t D, float* acc, int64_t lda) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 e[2][C], o[2][C];
+  for (int g = 0; g < 2; ++g)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      e[g][c] = _mm512_loadu_ps(acc + g * lda + 16 * c);
+      o[g][c] = _mm512_loadu_ps(acc + g * lda + D / 2 + 16 * c);
+    }
+  for (int64_t t = 0; t < nb; ++t) {
+    if (m[t * ms]) continue;  // a masked slot's row may hold anything, NaN included
+    const __m512 p0 = _mm512_set1_ps(p[t]), p1 = _mm512_set1_ps(p[ldp + t]);
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const __m512i x = _mm512_loadu_si512(v + t * stride + 32 * c);
+      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+      e[0][c] = _mm512_fmadd_ps(p0, even, e[0][c]);
+      o[0][c] = _mm512_fmadd_ps(p0, odd, o[0][c]);
+      e[1][c] = _mm512_fmadd_ps(p1, even, e[1][c]);
+      o[1][c] = _mm512_fmadd_ps(p1, odd, o[1][c]);
+    }
+  }
+  for (int g = 0; g < 2; ++g)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      _mm512_storeu_ps(acc + g * lda + 16 * c, e[g][c]);
+      _mm512_storeu_ps(acc + g * lda + D / 2 + 16 * c, o[g][c]);
+    }
+}
+
+using VPairFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, const bool*, int64_t, int64_t, int64_t,
+                         float*, int64_t);
+constexpr VPairFn kVPairs[4] = {v_pair_bf16<1>, v_pair_bf16<2>, v_pair_bf16<3>, v_pair_bf16<4>};
 #endif
 
 // Whether this CPU runs k_scores_bf16 (asked once).
@@ -343,6 +389,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
     constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
     const bool split = kBf16 && D % (2 * kL) == 0;  // K read in place by dots_bf16
     [[maybe_unused]] const bool native = kBf16 && D % 32 == 0 && D <= kNativeMaxD && native_bf16_scores();
+    [[maybe_unused]] const bool pairs = native && G >= 4 && G % 2 == 0 && D <= 128;  // v_pair_bf16
     const bool ahead = std::is_same_v<scalar_t, float> && block_ahead();
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item % S, h = (item / S) % Hkv, b = item / (S * Hkv);
@@ -400,6 +447,14 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         const int64_t nb = std::min(kBlock, n - t0);
         if (ahead) prefetch_block(vr, vs2, t0 + kBlock, n, D);
         if constexpr (kBf16) {
+#ifdef CANN_ATTN_BF16
+          if (pairs) {
+            for (int64_t g = 0; g < G; g += 2)
+              kVPairs[D / 32 - 1](scores.data() + g * n + t0, n, reinterpret_cast<const uint16_t*>(vr + t0 * vs2), vs2,
+                                  m + t0 * ms3, ms3, nb, D, acc.data() + g * Dv, Dv);
+            continue;
+          }
+#endif
           if (split) {  // acc per group: the even values' sums, then the odd values'
             for (int64_t g = 0; g < G; ++g) {
               const float* pg = scores.data() + g * n + t0;
