@@ -79,10 +79,11 @@ def test_kernel_several_query_rows_and_a_mask_with_holes(kernel):
 # a padded last vector
 @pytest.mark.parametrize("d", [128, 64, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_blocks_of_slots_with_masked_garbage_inside(kernel, d, dtype):
+@pytest.mark.parametrize("hq", [8, 10])  # 4 or 5 query heads to a kv head: bf16's V rows in pairs, and one left
+def test_kernel_blocks_of_slots_with_masked_garbage_inside(kernel, d, dtype, hq):
     """Over 32 slots (several blocks of the kernel), holes across a block edge whose cache rows hold
     NaN (a slot never written): they must weigh nothing, in the widened and the in-place path."""
-    q, k, v, mask = case(hq=8, hkv=2, t=100, d=d, positions=((70,), (99,)), dtype=dtype)
+    q, k, v, mask = case(hq=hq, hkv=2, t=100, d=d, positions=((70,), (99,)), dtype=dtype)
     mask = mask.clone()
     mask[1, 0, :, 28:37] = True
     clean_k, clean_v = k.clone(), v.clone()

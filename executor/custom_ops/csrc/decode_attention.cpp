@@ -223,15 +223,15 @@ CANN_ATTN_BF16_TARGET void k_scores_bf16(const uint16_t* q, int64_t ldq, int64_t
   }
 }
 
-// The bf16 V pass for a pair of query heads (where k_scores_bf16 runs, G >= 4 even, D <= 128): acc_g
+// The bf16 V pass for a pair of query heads (where k_scores_bf16 runs, G >= 4, D <= 128): acc_g
 // (a row of `lda` floats per head, the even values' sums in [0, D/2), the odd values' in [D/2, D), as
 // accumulate_bf16 keeps them) += p_g[t] * v_t over the unmasked t < nb, g = 0, 1. All C = D / 32 of a
 // V row's vectors and both heads' sums stay in registers (4C accumulators), so each V row is loaded
 // and split once per pair of heads instead of once per head. On Zen 4 (one build switched at run
 // time, 7 rounds in random order), with the scores above: Qwen3-8B-shaped heads (four to a kv head)
-// took 0.92-0.96x the time of the scores change alone at 2048-8192 slots. With two heads to a kv
-// head (the 0.6B shape) it read 0.99-1.04x, so G = 2 keeps the loop per head (BENCHMARKS.md,
-// "sixty-fifth pass").
+// took 0.92-0.96x the time of the scores change alone at 2048-8192 slots, and seven heads (Qwen2.5-7B;
+// three pairs and the last head alone) 0.93-0.96x. With two heads to a kv head (the 0.6B shape) it
+// read 0.99-1.04x, so G = 2 keeps the loop per head (BENCHMARKS.md, "sixty-fifth pass").
 template <int C>
 CANN_ATTN_BF16_TARGET void v_pair_bf16(const float* p, int64_t ldp, const uint16_t* v, int64_t stride,
                                        const bool* m, int64_t ms, int64_t nb, int64_t D, float* acc, int64_t lda) {
@@ -389,7 +389,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
     constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
     const bool split = kBf16 && D % (2 * kL) == 0;  // K read in place by dots_bf16
     [[maybe_unused]] const bool native = kBf16 && D % 32 == 0 && D <= kNativeMaxD && native_bf16_scores();
-    [[maybe_unused]] const bool pairs = native && G >= 4 && G % 2 == 0 && D <= 128;  // v_pair_bf16
+    [[maybe_unused]] const bool pairs = native && G >= 4 && D <= 128;  // v_pair_bf16
     const bool ahead = std::is_same_v<scalar_t, float> && block_ahead();
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item % S, h = (item / S) % Hkv, b = item / (S * Hkv);
@@ -447,16 +447,18 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         const int64_t nb = std::min(kBlock, n - t0);
         if (ahead) prefetch_block(vr, vs2, t0 + kBlock, n, D);
         if constexpr (kBf16) {
+          int64_t g_first = 0;  // heads before it are done (in pairs)
 #ifdef CANN_ATTN_BF16
           if (pairs) {
-            for (int64_t g = 0; g < G; g += 2)
-              kVPairs[D / 32 - 1](scores.data() + g * n + t0, n, reinterpret_cast<const uint16_t*>(vr + t0 * vs2), vs2,
-                                  m + t0 * ms3, ms3, nb, D, acc.data() + g * Dv, Dv);
-            continue;
+            for (; g_first + 2 <= G; g_first += 2)
+              kVPairs[D / 32 - 1](scores.data() + g_first * n + t0, n,
+                                  reinterpret_cast<const uint16_t*>(vr + t0 * vs2), vs2, m + t0 * ms3, ms3, nb, D,
+                                  acc.data() + g_first * Dv, Dv);
+            if (g_first == G) continue;  // an odd G leaves its last head to the loop below
           }
 #endif
           if (split) {  // acc per group: the even values' sums, then the odd values'
-            for (int64_t g = 0; g < G; ++g) {
+            for (int64_t g = g_first; g < G; ++g) {
               const float* pg = scores.data() + g * n + t0;
               float* ae = acc.data() + g * Dv;
               for (int64_t d = 0; d < D; d += D - d >= 8 * kL ? 8 * kL : 2 * kL) {
