@@ -300,32 +300,19 @@ inline void prefetch_rows(const char* rows, int64_t n, int64_t row_bytes, int64_
 }
 
 // Whether an fp32 work item asks for its next block of K (and of V) rows while it computes one
-// (block_ahead): on an AMD CPU with AVX-512 (Zen 4, where it was measured; Zen 5 unmeasured). On
-// Zen 4 (one build with the look-ahead switched at run time, 28 layers' caches of the 0.6B shape,
-// 7 rounds in random order, against a control that read 0.98-1.01), 512-8192 valid slots at batch
-// 1-16 took 0.79-0.84x the time; 24 slots at batch 16 read level (0.99x). bf16 took 1.38-1.61x the
-// time with it at the same shapes, and two blocks ahead read like one in both dtypes (BENCHMARKS.md,
-// "sixty-fifth pass"). fp16, Zen 3 (the AVX2 kind) and Intel CPUs were not measured and keep the
-// loop without it.
+// (prefetch_rows' first kAheadBytes of them: one block at head_dim 128, two at 64), on an AMD CPU
+// with AVX-512 (Zen 4, where it was measured; Zen 5 unmeasured). On Zen 4 (one build with the
+// look-ahead switched at run time, 28 layers' caches of the 0.6B shape, 7 rounds in random order,
+// against a control that read 0.98-1.01), 512-8192 valid slots at batch 1-16 took 0.79-0.84x the
+// time; 24 slots at batch 16 read level (0.99x). bf16 took 1.38-1.61x the time with it at the same
+// shapes, and two blocks ahead read like one in both dtypes (BENCHMARKS.md, "sixty-fifth pass").
+// fp16, Zen 3 (the AVX2 kind) and Intel CPUs were not measured and keep the loop without it.
 bool block_ahead() {
 #if defined(__x86_64__) && defined(__GNUC__)
   static const bool ahead = __builtin_cpu_is("amd") && __builtin_cpu_supports("avx512f");
   return ahead;
 #else
   return false;
-#endif
-}
-
-// Ask for rows [a, min(a + kBlock, n)) of `rows` (`stride` elements apart, `D` values of T each)
-// into L2, if a < n.
-template <typename T>
-inline void prefetch_block(const T* rows, int64_t stride, int64_t a, int64_t n, int64_t D) {
-#if defined(__GNUC__)
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
-  for (int64_t t = a; t < std::min(a + kBlock, n); ++t) {
-    const char* row = reinterpret_cast<const char*>(rows + t * stride);
-    for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(row + o, 0, 2);
-  }
 #endif
 }
 
@@ -388,9 +375,10 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
     std::vector<float> qf(G * Dv, 0.0f), acc(G * Dv), rows(kBlock * Dv, 0.0f), inv(G), scores, qsplit(G * Dv);
     constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
     const bool split = kBf16 && D % (2 * kL) == 0;  // K read in place by dots_bf16
-    [[maybe_unused]] const bool native = kBf16 && D % 32 == 0 && D <= kNativeMaxD && native_bf16_scores();
+    const bool native = kBf16 && D % 32 == 0 && D <= kNativeMaxD && native_bf16_scores();
     [[maybe_unused]] const bool pairs = native && G >= 4 && D <= 128;  // v_pair_bf16
     const bool ahead = std::is_same_v<scalar_t, float> && block_ahead();
+    constexpr int64_t es = sizeof(scalar_t);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item % S, h = (item / S) % Hkv, b = item / (S * Hkv);
       const bool* m = mp + b * ms0 + s * ms2;
@@ -401,8 +389,8 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
           std::fill(o0 + g * S * D, o0 + g * S * D + D, static_cast<scalar_t>(std::numeric_limits<float>::quiet_NaN()));
         continue;
       }
-      for (int64_t g = 0; g < G; ++g) {  // the scaled query rows of this kv head's group, in fp32
-        float* qg = qf.data() + g * Dv;
+      for (int64_t g = 0; g < G && !native; ++g) {  // the scaled query rows of this kv head's group, in fp32
+        float* qg = qf.data() + g * Dv;  // (k_scores_bf16 reads the bf16 rows as given)
         widen(qp + ((b * Hq + h * G + g) * S + s) * D, D, qg);
         for (int64_t d = 0; d < D; ++d) qg[d] *= fscale;
         if (split)
@@ -412,13 +400,14 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       const scalar_t* kr = kp + b * ks0 + h * ks1;
       if (item + 1 < end) {  // the next item's first K and V rows, while this one computes
         const int64_t s1 = (item + 1) % S, h1 = ((item + 1) / S) % Hkv, b1 = (item + 1) / (S * Hkv);
-        const int64_t n1 = last[b1 * S + s1] + 1, es = sizeof(scalar_t);
+        const int64_t n1 = last[b1 * S + s1] + 1;
         prefetch_rows(reinterpret_cast<const char*>(kp + b1 * ks0 + h1 * ks1), n1, D * es, ks2 * es);
         prefetch_rows(reinterpret_cast<const char*>(vp + b1 * vs0 + h1 * vs1), n1, D * es, vs2 * es);
       }
       for (int64_t t0 = 0; t0 < n; t0 += kBlock) {  // scores of a block of slots, all G rows
         const int64_t nb = std::min(kBlock, n - t0);
-        if (ahead) prefetch_block(kr, ks2, t0 + kBlock, n, D);
+        if (ahead && t0 + kBlock < n)  // the next block's rows (kAheadBytes: 32 fp32 rows at D = 128)
+          prefetch_rows(reinterpret_cast<const char*>(kr + (t0 + kBlock) * ks2), n - t0 - kBlock, D * es, ks2 * es);
         if constexpr (kBf16) {
 #ifdef CANN_ATTN_BF16
           if (native) {  // a masked slot's row may hold anything here: its score is set to -inf below
@@ -445,7 +434,8 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       const scalar_t* vr = vp + b * vs0 + h * vs1;
       for (int64_t t0 = 0; t0 < n; t0 += kBlock) {  // acc += p V over a block of slots, in registers
         const int64_t nb = std::min(kBlock, n - t0);
-        if (ahead) prefetch_block(vr, vs2, t0 + kBlock, n, D);
+        if (ahead && t0 + kBlock < n)
+          prefetch_rows(reinterpret_cast<const char*>(vr + (t0 + kBlock) * vs2), n - t0 - kBlock, D * es, vs2 * es);
         if constexpr (kBf16) {
           int64_t g_first = 0;  // heads before it are done (in pairs)
 #ifdef CANN_ATTN_BF16
