@@ -88,9 +88,32 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // Qwen3-0.6B-shaped call (batch 1-16, 40-505 valid slots, cache warm) took 0.82-0.86x (fp32) and
 // 0.69-0.75x (bf16) the time of one dot at a time, results bit-identical (BENCHMARKS.md,
 // "twenty-second pass").
+//
+// With 512-bit vectors and n at most 8 of them (head_dim 128), q stays in registers and each row is
+// read a vector after another, so the loads go in address order (as k_scores_bf16's): against
+// reading the kDots rows a column at a time, an fp32 call from memory took 0.89-0.95x the time on
+// Zen 4 at 8192 slots (BENCHMARKS.md, "sixty-sixth pass"). AVX2 (16 vectors at head_dim 128) keeps
+// the column order, unmeasured.
 constexpr int kDots = 8;
+constexpr int64_t kRowMajorMax = kL == 16 ? 8 : 0;  // vectors of q held in registers
 inline void dots(const float* q, const float* rows, int64_t stride, int64_t nb, int64_t n, float* out) {
   int64_t t = 0;
+  if (n <= kRowMajorMax * kL) {
+    Vec qv[kRowMajorMax > 0 ? kRowMajorMax : 1];
+    for (int64_t d = 0; d < n; d += kL) qv[d / kL] = Vec::loadu(q + d);
+    for (; t + kDots <= nb; t += kDots) {
+      Vec acc[kDots];
+#pragma GCC unroll 8
+      for (int i = 0; i < kDots; ++i) {
+        acc[i] = Vec(0.0f);
+        for (int64_t d = 0; d < n; d += kL)
+          acc[i] = at::vec::fmadd(qv[d / kL], Vec::loadu(rows + (t + i) * stride + d), acc[i]);
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < kDots; ++i)
+        out[t + i] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc[i]);
+    }
+  }
   for (; t + kDots <= nb; t += kDots) {
     Vec acc[kDots];
 #pragma GCC unroll 8
@@ -165,14 +188,22 @@ inline void accumulate_bf16(const float* p, const at::BFloat16* rows, int64_t st
   for (int j = 0; j < NV; ++j) e[j].store(ae + j * kL), o[j].store(ao + j * kL);
 }
 
-// softmax over row[0:n] in place, returns the sum of the exps (masked entries are -inf: exp 0)
+// softmax over row[0:n] in place, returns the sum of the exps (masked entries are -inf: exp 0).
+// The max goes a vector at a time: written as a scalar std::max loop the compiler kept it scalar
+// (a float max reduction is not reassociated without -ffast-math), and at 8k valid slots that loop
+// was a quarter of a bf16 call on Zen 4. A NaN score gives NaN either way (here through the max,
+// before through its exp). Against it (one build switched at run time, 7 rounds in random order):
+// 0.80x a bf16 and 0.91x an fp32 call's time at 8192 slots, outputs bit-identical (BENCHMARKS.md,
+// "sixty-sixth pass").
 float exp_row(float* row, int64_t n) {
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, row[t]);
+  Vec vmax(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + kL <= n; t += kL) vmax = at::vec::maximum(vmax, Vec::loadu(row + t));
+  float mx = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmax);
+  for (; t < n; ++t) mx = std::max(mx, row[t]);
   const Vec vmx(mx);
   Vec vsum(0.0f);
-  int64_t t = 0;
-  for (; t + kL <= n; t += kL) {
+  for (t = 0; t + kL <= n; t += kL) {
     const Vec e = (Vec::loadu(row + t) - vmx).exp();
     e.store(row + t);
     vsum = vsum + e;
@@ -197,6 +228,13 @@ constexpr int64_t kBlock = 32;  // cache slots widened to fp32 at a time (32 x 1
 // 0.95-1.04) a call took 0.78-0.94x the time at 24-8192 valid slots and batch 1-16, with the same
 // largest error against fp64 (BENCHMARKS.md, "sixty-fifth pass"). Rows past nb are never read: a
 // short last group repeats its first row and drops those sums.
+// Each row's vectors are read one after another, so the loads go in address order. The first
+// version read the group a column at a time (the first 64 bytes of the four rows, then the next),
+// and from memory that order kept the hardware prefetcher behind: against it (Zen 4, 28 layers'
+// caches, one build switched at run time, 7 rounds in random order) a call took 0.73x the time at
+// 8192 slots with the 0.6B shape's heads, 0.82x at 2048, and 0.82-0.89x with Qwen3-8B's heads (four
+// to a kv head) at batch 1-4; level at batch 16 and 33 slots. Eight or sixteen rows at a time in
+// the column order took 1.10-1.34x the time (BENCHMARKS.md, "sixty-sixth pass").
 constexpr int64_t kNativeMaxD = 256;
 
 #ifdef CANN_ATTN_BF16
@@ -212,11 +250,13 @@ CANN_ATTN_BF16_TARGET void k_scores_bf16(const uint16_t* q, int64_t ldq, int64_t
       const int64_t left = std::min<int64_t>(4, nb - t);
       const uint16_t* rows[4];
       for (int64_t i = 0; i < 4; ++i) rows[i] = k + (t + (i < left ? i : 0)) * stride;
-      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-      for (int64_t c = 0; c < C; ++c)
+      __m512 acc[4];
 #pragma GCC unroll 4
-        for (int i = 0; i < 4; ++i)
+      for (int i = 0; i < 4; ++i) {  // a row at a time: the loads go in address order (see above)
+        acc[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(rows[i]), qv[0]);
+        for (int64_t c = 1; c < C; ++c)
           acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(rows[i] + 32 * c), qv[c]);
+      }
       const __mmask8 keep = static_cast<__mmask8>((1u << left) - 1);
       _mm_mask_storeu_ps(out + g * ldo + t, keep, _mm_mul_ps(cann::sums_of_4(acc), vscale));
     }
@@ -289,6 +329,11 @@ bool native_bf16_scores() {
 // follows each long stream), and asking for the whole next item made that case 1.14x slower. The
 // eager 0.6B step (which takes this op at any length) took 0.98x the time at batch 16 (bf16 and
 // fp32) and 0.99x at batch 64 (BENCHMARKS.md, "forty-sixth pass").
+// Inside an item there is no look-ahead: the loops read each row in address order and the hardware
+// prefetcher follows. Asking for the next block of rows as well (on in fp32 on AMD in the
+// sixty-fifth pass, 0.79-0.84x against loops that read the rows a column at a time) took 1.06-1.18x
+// the time in fp32 and 1.20-1.39x in bf16 once they read in order (Zen 4, 512-8192 slots;
+// BENCHMARKS.md, "sixty-sixth pass").
 constexpr int64_t kAheadBytes = 16 * 1024;
 
 // Ask for the first kAheadBytes of `rows` (n rows of `row_bytes`, `stride` bytes apart) into L2.
@@ -296,23 +341,6 @@ inline void prefetch_rows(const char* rows, int64_t n, int64_t row_bytes, int64_
 #if defined(__GNUC__)  // GCC and Clang: a hint, on any target
   for (int64_t t = 0, asked = 0; t < n && asked < kAheadBytes; ++t, asked += row_bytes)
     for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(rows + t * stride + o, 0, 2);
-#endif
-}
-
-// Whether an fp32 work item asks for its next block of K (and of V) rows while it computes one
-// (prefetch_rows' first kAheadBytes of them: one block at head_dim 128, two at 64), on an AMD CPU
-// with AVX-512 (Zen 4, where it was measured; Zen 5 unmeasured). On Zen 4 (one build with the
-// look-ahead switched at run time, 28 layers' caches of the 0.6B shape, 7 rounds in random order,
-// against a control that read 0.98-1.01), 512-8192 valid slots at batch 1-16 took 0.79-0.84x the
-// time; 24 slots at batch 16 read level (0.99x). bf16 took 1.38-1.61x the time with it at the same
-// shapes, and two blocks ahead read like one in both dtypes (BENCHMARKS.md, "sixty-fifth pass").
-// fp16, Zen 3 (the AVX2 kind) and Intel CPUs were not measured and keep the loop without it.
-bool block_ahead() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  static const bool ahead = __builtin_cpu_is("amd") && __builtin_cpu_supports("avx512f");
-  return ahead;
-#else
-  return false;
 #endif
 }
 
@@ -377,7 +405,6 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
     const bool split = kBf16 && D % (2 * kL) == 0;  // K read in place by dots_bf16
     const bool native = kBf16 && D % 32 == 0 && D <= kNativeMaxD && native_bf16_scores();
     [[maybe_unused]] const bool pairs = native && G >= 4 && D <= 128;  // v_pair_bf16
-    const bool ahead = std::is_same_v<scalar_t, float> && block_ahead();
     constexpr int64_t es = sizeof(scalar_t);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item % S, h = (item / S) % Hkv, b = item / (S * Hkv);
@@ -406,8 +433,6 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       }
       for (int64_t t0 = 0; t0 < n; t0 += kBlock) {  // scores of a block of slots, all G rows
         const int64_t nb = std::min(kBlock, n - t0);
-        if (ahead && t0 + kBlock < n)  // the next block's rows (kAheadBytes: 32 fp32 rows at D = 128)
-          prefetch_rows(reinterpret_cast<const char*>(kr + (t0 + kBlock) * ks2), n - t0 - kBlock, D * es, ks2 * es);
         if constexpr (kBf16) {
 #ifdef CANN_ATTN_BF16
           if (native) {  // a masked slot's row may hold anything here: its score is set to -inf below
@@ -425,7 +450,10 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
           const auto [kb, kstride] = fp32_rows(kr + t0 * ks2, ks2, m + t0 * ms3, ms3, nb, D, Dv, rows.data());
           for (int64_t g = 0; g < G; ++g) dots(qf.data() + g * Dv, kb, kstride, nb, Dv, scores.data() + g * n + t0);
         }
-        for (int64_t g = 0; g < G; ++g)
+        bool any_masked = false;  // rare before a row's last valid slot: one look a slot, then G only if so
+                                  // (0.92-0.99x a bf16 call's time at 2048-8192 slots, "sixty-sixth pass")
+        for (int64_t t = 0; t < nb; ++t) any_masked |= m[(t0 + t) * ms3];
+        for (int64_t g = 0; g < G && any_masked; ++g)
           for (int64_t t = 0; t < nb; ++t)
             if (m[(t0 + t) * ms3]) scores[g * n + t0 + t] = -std::numeric_limits<float>::infinity();
       }
@@ -434,8 +462,6 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       const scalar_t* vr = vp + b * vs0 + h * vs1;
       for (int64_t t0 = 0; t0 < n; t0 += kBlock) {  // acc += p V over a block of slots, in registers
         const int64_t nb = std::min(kBlock, n - t0);
-        if (ahead && t0 + kBlock < n)
-          prefetch_rows(reinterpret_cast<const char*>(vr + (t0 + kBlock) * vs2), n - t0 - kBlock, D * es, vs2 * es);
         if constexpr (kBf16) {
           int64_t g_first = 0;  // heads before it are done (in pairs)
 #ifdef CANN_ATTN_BF16
@@ -463,6 +489,15 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
           }
         }
         const auto [vb, vstride] = fp32_rows(vr + t0 * vs2, vs2, m + t0 * ms3, ms3, nb, D, Dv, rows.data());
+        // A whole row in registers where it fits (as in dots), so each row is read in address order:
+        // 0.91-0.92x an fp32 call's time at 8192 slots on Zen 4, 0.85-0.86x with dots' change
+        // (BENCHMARKS.md, "sixty-sixth pass"). Elsewhere a row goes four vectors at a time.
+        if (Dv == kRowMajorMax * kL) {
+          for (int64_t g = 0; g < G; ++g)
+            accumulate<(kRowMajorMax > 0 ? kRowMajorMax : 1)>(scores.data() + g * n + t0, vb, vstride, nb,
+                                                               acc.data() + g * Dv);
+          continue;
+        }
         for (int64_t g = 0; g < G; ++g)
           for (int64_t d = 0; d < Dv; d += Dv - d >= 4 * kL ? 4 * kL : kL) {
             const float* pg = scores.data() + g * n + t0;
