@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from executor import ops
+from executor import huge_pages, ops
 
 
 class KVCache:
@@ -24,9 +24,18 @@ class KVCache:
         device: torch.device | str = "cpu",
     ):
         shape = (batch, num_kv_heads, max_len, head_dim)  # (B, Hkv, T, D)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.on_huge_pages = 0  # CPU tensors collapsed into huge pages (executor/huge_pages.zeros)
+        self.k = [self._zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [self._zeros(shape, dtype, device) for _ in range(num_layers)]
         self.max_len = max_len
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """A zeroed cache tensor; on the CPU a large one goes on huge pages, as the weights do."""
+        if torch.device(device).type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=device)
+        t, collapsed = huge_pages.zeros(shape, dtype)
+        self.on_huge_pages += collapsed
+        return t
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
@@ -47,6 +56,7 @@ class KVCache:
         view.k = [t[start:stop, :, :slots] for t in self.k]
         view.v = [t[start:stop, :, :slots] for t in self.v]
         view.max_len = slots
+        view.on_huge_pages = self.on_huge_pages
         return view
 
     def nbytes(self) -> int:

@@ -1,5 +1,6 @@
-"""Large CPU weights on whole 2 MiB pages (executor/huge_pages.py): where they land, that their
-pages are huge ones, that tied weights stay tied, and that the runner and the packed copies use it."""
+"""Large CPU weights and KV caches on whole 2 MiB pages (executor/huge_pages.py): where they land,
+that their pages are huge ones, that tied weights stay tied, and that the runner, the packed copies
+and the KV cache use it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from executor import huge_pages, thp_mode
 from executor.backends import packed_linear
+from executor.kv_cache import KVCache
 
 REGION = 2 << 20
 needs_thp = pytest.mark.skipif(not huge_pages.wanted(), reason=f"huge pages not wanted here (kernel: {thp_mode()})")
@@ -124,3 +126,35 @@ def test_the_runner_places_its_weights(make_qwen_runner):
         assert runner.model.lm_head.weight.data_ptr() == embed.data_ptr()
     else:
         assert runner.placement.to_metrics().startswith("not placed")
+    assert runner._kv_placement() == "not placed (no CPU cache)"  # none before the first generate
+    runner.prepare(1)
+    placed = runner._kv_placement()  # the built-in model's cache is far under a region a tensor
+    assert placed.startswith("not placed (") and ("under one 2 MiB region" in placed) == huge_pages.wanted(), placed
+
+
+@needs_thp
+def test_a_large_cpu_kv_cache_is_zeros_on_huge_pages():
+    """Each layer's K and V of 2 MiB or more start on a region boundary, hold zeros, are counted as
+    collapsed, and are huge pages where the page flags can be read; a row view shares them."""
+    cache = KVCache(2, 1, 2, 4096, 128, torch.float32)  # 4 MiB a tensor
+    assert cache.on_huge_pages == 4
+    for t in cache.k + cache.v:
+        assert t.data_ptr() % REGION == 0 and t.shape == (1, 2, 4096, 128) and t.dtype == torch.float32
+        assert t.is_contiguous() and not t.any()
+        share = huge_share(t)
+        assert share in (None, 1.0), share
+    view = cache.rows(0, 1, 64)
+    assert view.k[0].data_ptr() == cache.k[0].data_ptr() and view.on_huge_pages == 4
+    cache.update(1, torch.ones(1, 2, 1, 128), torch.ones(1, 2, 1, 128), torch.tensor([[5]]))
+    assert cache.k[1][0, :, 5].eq(1).all() and cache.k[1].sum() == 2 * 128  # an ordinary tensor to write
+
+
+def test_a_small_or_unwanted_kv_cache_is_plain_zeros(monkeypatch):
+    small = KVCache(2, 1, 2, 64, 16, torch.bfloat16)  # 4 KiB a tensor: under one region
+    assert small.on_huge_pages == 0 and not any(t.any() for t in small.k + small.v)
+    t, collapsed = huge_pages.zeros((1, 2, 64, 16), torch.bfloat16)
+    assert not collapsed and t.dtype == torch.bfloat16 and not t.any()
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    large = KVCache(1, 1, 2, 4096, 128, torch.float32)
+    assert large.on_huge_pages == 0 and not large.k[0].any()
+    assert huge_pages.why_not().startswith("THP_MEM_ALLOC_ENABLE=0, kernel: ")
