@@ -320,29 +320,14 @@ bool native_bf16_scores() {
 #endif
 }
 
-// How much of the next work item's K rows, and as much of its V rows, a work item asks for (into
-// L2) before it starts. Why: at a short context an item is a few KB of K and V (24 bf16 slots of
-// 128: 6 KB each) that each start a new stream, and a thread spent most of an item waiting on its
-// first lines. On the AVX-512 host (28 layers' caches, cold, 9 alternating rounds) batch 16 at 24
-// of 33 slots took 0.70x the time in bf16 and 0.80x in fp32 (batch 64 in bf16, asking for 8 KB:
-// 0.72x); 2000 valid slots at batch 1 stayed level (1.00-1.01x; there the hardware prefetcher
-// follows each long stream), and asking for the whole next item made that case 1.14x slower. The
-// eager 0.6B step (which takes this op at any length) took 0.98x the time at batch 16 (bf16 and
-// fp32) and 0.99x at batch 64 (BENCHMARKS.md, "forty-sixth pass").
-// Inside an item there is no look-ahead: the loops read each row in address order and the hardware
-// prefetcher follows. Asking for the next block of rows as well (on in fp32 on AMD in the
-// sixty-fifth pass, 0.79-0.84x against loops that read the rows a column at a time) took 1.06-1.18x
-// the time in fp32 and 1.20-1.39x in bf16 once they read in order (Zen 4, 512-8192 slots;
-// BENCHMARKS.md, "sixty-sixth pass").
-constexpr int64_t kAheadBytes = 16 * 1024;
-
-// Ask for the first kAheadBytes of `rows` (n rows of `row_bytes`, `stride` bytes apart) into L2.
-inline void prefetch_rows(const char* rows, int64_t n, int64_t row_bytes, int64_t stride) {
-#if defined(__GNUC__)  // GCC and Clang: a hint, on any target
-  for (int64_t t = 0, asked = 0; t < n && asked < kAheadBytes; ++t, asked += row_bytes)
-    for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(rows + t * stride + o, 0, 2);
-#endif
-}
+// No software prefetch: every loop reads its rows in address order and the hardware prefetcher
+// follows. Two look-aheads that had paid against loops reading the rows a column at a time cost
+// time once the rows were read in order (Zen 4, 28 layers' caches, one build switched at run time):
+// - the next work item's first 16 KB of K and V rows, asked for before an item starts (forty-sixth
+//   pass: 0.70x at batch 16 and 33 slots in bf16): without it 0.66x the time in bf16 at batch 16 and
+//   64 and 33 slots, 0.91-0.94x in fp32, 0.96-1.03x at 512-2048 slots;
+// - the next block of rows inside an item (fp32 on AMD, sixty-fifth pass): 1.06-1.18x the time with
+//   it in fp32 and 1.20-1.39x in bf16 at 512-8192 slots (BENCHMARKS.md, "sixty-sixth pass").
 
 // Rows t = 0..nb-1 of `src` (row stride `stride`) as fp32 rows: returns where they are and their
 // stride. fp32 rows are read in place where they fill whole vectors and no slot of the block is
@@ -405,7 +390,6 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
     const bool split = kBf16 && D % (2 * kL) == 0;  // K read in place by dots_bf16
     const bool native = kBf16 && D % 32 == 0 && D <= kNativeMaxD && native_bf16_scores();
     [[maybe_unused]] const bool pairs = native && G >= 4 && D <= 128;  // v_pair_bf16
-    constexpr int64_t es = sizeof(scalar_t);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item % S, h = (item / S) % Hkv, b = item / (S * Hkv);
       const bool* m = mp + b * ms0 + s * ms2;
@@ -425,12 +409,6 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       }
       scores.resize(G * n);
       const scalar_t* kr = kp + b * ks0 + h * ks1;
-      if (item + 1 < end) {  // the next item's first K and V rows, while this one computes
-        const int64_t s1 = (item + 1) % S, h1 = ((item + 1) / S) % Hkv, b1 = (item + 1) / (S * Hkv);
-        const int64_t n1 = last[b1 * S + s1] + 1;
-        prefetch_rows(reinterpret_cast<const char*>(kp + b1 * ks0 + h1 * ks1), n1, D * es, ks2 * es);
-        prefetch_rows(reinterpret_cast<const char*>(vp + b1 * vs0 + h1 * vs1), n1, D * es, vs2 * es);
-      }
       for (int64_t t0 = 0; t0 < n; t0 += kBlock) {  // scores of a block of slots, all G rows
         const int64_t nb = std::min(kBlock, n - t0);
         if constexpr (kBf16) {
