@@ -326,8 +326,9 @@ bool native_bf16_scores() {
 // - the next work item's first 16 KB of K and V rows, asked for before an item starts (forty-sixth
 //   pass: 0.70x at batch 16 and 33 slots in bf16): without it 0.66x the time in bf16 at batch 16 and
 //   64 and 33 slots, 0.91-0.94x in fp32, 0.96-1.03x at 512-2048 slots;
-// - the next block of rows inside an item (fp32 on AMD, sixty-fifth pass): 1.06-1.18x the time with
-//   it in fp32 and 1.20-1.39x in bf16 at 512-8192 slots (BENCHMARKS.md, "sixty-sixth pass").
+// - the next block of rows inside an item (on in fp32 on AMD since the sixty-fifth pass): with it,
+//   1.02-1.17x the time in fp32 and 1.20-1.39x in bf16 at 512-8192 slots (BENCHMARKS.md,
+//   "sixty-sixth pass").
 
 // Rows t = 0..nb-1 of `src` (row stride `stride`) as fp32 rows: returns where they are and their
 // stride. fp32 rows are read in place where they fill whole vectors and no slot of the block is
@@ -468,7 +469,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         }
         const auto [vb, vstride] = fp32_rows(vr + t0 * vs2, vs2, m + t0 * ms3, ms3, nb, D, Dv, rows.data());
         // A whole row in registers where it fits (as in dots), so each row is read in address order:
-        // 0.91-0.92x an fp32 call's time at 8192 slots on Zen 4, 0.85-0.86x with dots' change
+        // 0.90-0.92x an fp32 call's time at 8192 slots on Zen 4, 0.85-0.86x with dots' change
         // (BENCHMARKS.md, "sixty-sixth pass"). Elsewhere a row goes four vectors at a time.
         if (Dv == kRowMajorMax * kL) {
           for (int64_t g = 0; g < G; ++g)
