@@ -89,44 +89,41 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // 0.69-0.75x (bf16) the time of one dot at a time, results bit-identical (BENCHMARKS.md,
 // "twenty-second pass").
 //
-// With 512-bit vectors and n at most 8 of them (head_dim 128), q stays in registers and each row is
-// read a vector after another, so the loads go in address order (as k_scores_bf16's): against
-// reading the kDots rows a column at a time, an fp32 call from memory took 0.89-0.95x the time on
-// Zen 4 at 8192 slots (BENCHMARKS.md, "sixty-sixth pass"). AVX2 (16 vectors at head_dim 128) keeps
-// the column order, unmeasured.
+// Each row is read a vector after another, so the loads go in address order (as k_scores_bf16's),
+// with q in registers where it fits (512-bit vectors, head_dim up to 128) and read from L1
+// otherwise. Against reading the kDots rows a column at a time (q loaded once per column), on
+// Zen 4 an fp32 call from memory took 0.89-0.95x the time with q held (8192 slots), and the AVX2
+// build on the same CPU 0.78-0.85x with q read from L1 (2048 slots; the AVX2 kind itself, Zen 3,
+// unmeasured); results bit-identical (BENCHMARKS.md, "sixty-sixth pass").
 constexpr int kDots = 8;
-constexpr int64_t kRowMajorMax = kL == 16 ? 8 : 0;  // vectors of q held in registers
-inline void dots(const float* q, const float* rows, int64_t stride, int64_t nb, int64_t n, float* out) {
-  int64_t t = 0;
-  if (n <= kRowMajorMax * kL) {
-    Vec qv[kRowMajorMax > 0 ? kRowMajorMax : 1];
+constexpr int64_t kQHeld = kL == 16 ? 8 : 0;  // vectors of q that dots keeps in registers
+
+template <bool kHeld>
+inline int64_t dots_rows(const float* q, const float* rows, int64_t stride, int64_t nb, int64_t n, float* out) {
+  Vec qv[kHeld ? kQHeld : 1];
+  if constexpr (kHeld)
     for (int64_t d = 0; d < n; d += kL) qv[d / kL] = Vec::loadu(q + d);
-    for (; t + kDots <= nb; t += kDots) {
-      Vec acc[kDots];
-#pragma GCC unroll 8
-      for (int i = 0; i < kDots; ++i) {
-        acc[i] = Vec(0.0f);
-        for (int64_t d = 0; d < n; d += kL)
-          acc[i] = at::vec::fmadd(qv[d / kL], Vec::loadu(rows + (t + i) * stride + d), acc[i]);
-      }
-#pragma GCC unroll 8
-      for (int i = 0; i < kDots; ++i)
-        out[t + i] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc[i]);
-    }
-  }
+  int64_t t = 0;
   for (; t + kDots <= nb; t += kDots) {
     Vec acc[kDots];
 #pragma GCC unroll 8
-    for (int i = 0; i < kDots; ++i) acc[i] = Vec(0.0f);
-    for (int64_t d = 0; d < n; d += kL) {
-      const Vec qv = Vec::loadu(q + d);
-#pragma GCC unroll 8
-      for (int i = 0; i < kDots; ++i) acc[i] = at::vec::fmadd(qv, Vec::loadu(rows + (t + i) * stride + d), acc[i]);
+    for (int i = 0; i < kDots; ++i) {
+      acc[i] = Vec(0.0f);
+      for (int64_t d = 0; d < n; d += kL) {
+        const Vec qd = kHeld ? qv[d / kL] : Vec::loadu(q + d);
+        acc[i] = at::vec::fmadd(qd, Vec::loadu(rows + (t + i) * stride + d), acc[i]);
+      }
     }
 #pragma GCC unroll 8
     for (int i = 0; i < kDots; ++i)
       out[t + i] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc[i]);
   }
+  return t;
+}
+
+inline void dots(const float* q, const float* rows, int64_t stride, int64_t nb, int64_t n, float* out) {
+  int64_t t = n <= kQHeld * kL ? dots_rows<true>(q, rows, stride, nb, n, out)
+                               : dots_rows<false>(q, rows, stride, nb, n, out);
   for (; t < nb; ++t) out[t] = dot(q, rows + t * stride, n);
 }
 
@@ -468,23 +465,23 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
           }
         }
         const auto [vb, vstride] = fp32_rows(vr + t0 * vs2, vs2, m + t0 * ms3, ms3, nb, D, Dv, rows.data());
-        // A whole row in registers where it fits (as in dots), so each row is read in address order:
-        // 0.90-0.92x an fp32 call's time at 8192 slots on Zen 4, 0.85-0.86x with dots' change
-        // (BENCHMARKS.md, "sixty-sixth pass"). Elsewhere a row goes four vectors at a time.
-        if (Dv == kRowMajorMax * kL) {
-          for (int64_t g = 0; g < G; ++g)
-            accumulate<(kRowMajorMax > 0 ? kRowMajorMax : 1)>(scores.data() + g * n + t0, vb, vstride, nb,
-                                                               acc.data() + g * Dv);
-          continue;
-        }
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t d = 0; d < Dv; d += Dv - d >= 4 * kL ? 4 * kL : kL) {
-            const float* pg = scores.data() + g * n + t0;
-            if (Dv - d >= 4 * kL)
-              accumulate<4>(pg, vb + d, vstride, nb, acc.data() + g * Dv + d);
+        // Eight vectors of a row at a time (a whole row at head_dim 128 on AVX-512, half of one on
+        // AVX2), so the rows are read in longer runs in address order: against four vectors at a
+        // time, 0.90-0.92x an fp32 call's time at 8192 slots on Zen 4, 0.85-0.86x with dots' row
+        // order; the AVX2 build there 0.95x, 0.72-0.78x with dots' (BENCHMARKS.md, "sixty-sixth pass").
+        for (int64_t g = 0; g < G; ++g) {
+          const float* pg = scores.data() + g * n + t0;
+          for (int64_t d = 0, w = 0; d < Dv; d += w * kL) {
+            w = Dv - d >= 8 * kL ? 8 : Dv - d >= 4 * kL ? 4 : 1;
+            float* ad = acc.data() + g * Dv + d;
+            if (w == 8)
+              accumulate<8>(pg, vb + d, vstride, nb, ad);
+            else if (w == 4)
+              accumulate<4>(pg, vb + d, vstride, nb, ad);
             else
-              accumulate<1>(pg, vb + d, vstride, nb, acc.data() + g * Dv + d);
+              accumulate<1>(pg, vb + d, vstride, nb, ad);
           }
+        }
       }
       for (int64_t g = 0; g < G; ++g) {
         float* ag = acc.data() + g * Dv;
