@@ -59,5 +59,16 @@ class KVCache:
         view.on_huge_pages = self.on_huge_pages
         return view
 
+    def placement(self) -> str:
+        """metrics.json: how many layer tensors are on huge pages, or why none (huge_pages.zeros)."""
+        if self.k[0].device.type != "cpu":
+            return f"not placed (a {self.k[0].device.type} cache)"
+        if not huge_pages.wanted():
+            return f"not placed ({huge_pages.why_not()})"
+        total = 2 * len(self.k)
+        if self.nbytes() // total < huge_pages.REGION:
+            return f"not placed ({self.nbytes() // total} bytes a layer tensor, under one 2 MiB region)"
+        return f"{total} layer tensors on 2 MiB boundaries, {self.on_huge_pages} of them collapsed into huge pages"
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

@@ -448,17 +448,6 @@ class ModelRunner:
         eos = self.tokenizer.eos_token_id
         return tokens[: tokens.index(eos)] if eos is not None and eos in tokens else tokens
 
-    def _kv_placement(self) -> str:
-        """metrics.json: how many of the KV cache's layer tensors are on huge pages, or why none."""
-        if self.cache is None or self.device.type != "cpu":
-            return "not placed (no CPU cache)"
-        if not huge_pages.wanted():
-            return f"not placed ({huge_pages.why_not()})"
-        total, layer_bytes = 2 * len(self.cache.k), self.cache.nbytes() // (2 * len(self.cache.k))
-        if layer_bytes < huge_pages.REGION:
-            return f"not placed ({layer_bytes} bytes a layer tensor, under one 2 MiB region)"
-        return f"{self.cache.on_huge_pages} of {total} layer tensors on 2 MiB boundaries, collapsed into huge pages"
-
     def _metrics(self, gen: Generation, texts: list[str], tps: float | None, warmup_s: float) -> dict:
         mc = self.cfg.model_config
         report = self.step.report()
@@ -489,7 +478,7 @@ class ModelRunner:
             "omp_reason": os.environ.get("CANN_RECIPES_OMP_REASON", "set outside this project"),
             "thp_alloc": f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}, kernel: {thp_mode()}",
             "weights_on_huge_pages": self.placement.to_metrics(),  # executor/huge_pages.py
-            "kv_cache_on_huge_pages": self._kv_placement(),
+            "kv_cache_on_huge_pages": self.cache.placement() if self.cache else "no cache",
             "malloc": MALLOC_POLICY,  # freed memory kept for reuse: see executor/__init__.py
             "exe_mode": mc.exe_mode,
             "backend": report.backend,

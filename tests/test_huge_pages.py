@@ -126,9 +126,8 @@ def test_the_runner_places_its_weights(make_qwen_runner):
         assert runner.model.lm_head.weight.data_ptr() == embed.data_ptr()
     else:
         assert runner.placement.to_metrics().startswith("not placed")
-    assert runner._kv_placement() == "not placed (no CPU cache)"  # none before the first generate
     runner.prepare(1)
-    placed = runner._kv_placement()  # the built-in model's cache is far under a region a tensor
+    placed = runner.cache.placement()  # the built-in model's cache is far under a region a tensor
     assert placed.startswith("not placed (") and ("under one 2 MiB region" in placed) == huge_pages.wanted(), placed
 
 
@@ -138,6 +137,7 @@ def test_a_large_cpu_kv_cache_is_zeros_on_huge_pages():
     collapsed, and are huge pages where the page flags can be read; a row view shares them."""
     cache = KVCache(2, 1, 2, 4096, 128, torch.float32)  # 4 MiB a tensor
     assert cache.on_huge_pages == 4
+    assert cache.placement() == "4 layer tensors on 2 MiB boundaries, 4 of them collapsed into huge pages"
     for t in cache.k + cache.v:
         assert t.data_ptr() % REGION == 0 and t.shape == (1, 2, 4096, 128) and t.dtype == torch.float32
         assert t.is_contiguous() and not t.any()
@@ -157,4 +157,5 @@ def test_a_small_or_unwanted_kv_cache_is_plain_zeros(monkeypatch):
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
     large = KVCache(1, 1, 2, 4096, 128, torch.float32)
     assert large.on_huge_pages == 0 and not large.k[0].any()
+    assert large.placement().startswith("not placed (THP_MEM_ALLOC_ENABLE=0, kernel: ")
     assert huge_pages.why_not().startswith("THP_MEM_ALLOC_ENABLE=0, kernel: ")
