@@ -11,9 +11,9 @@ Tables (CPU: portable measurements, not Ascend results):
 - stream (--stream): the custom op over 28 layers' caches of the Qwen3-8B layer's heads, every slot
   valid (position + 1 of them), batch --batch, in both dtypes: each pass reads every layer's K and
   V once, from memory (the op table's single layer stays in the L3), and the table gives the KV
-  bytes over the time as GB/s and as a share of an fp32 sum's rate read between passes. The op
-  had read them at 0.42-0.65 of that rate on Zen 4 (BENCHMARKS.md, "sixty-fifth pass"), which at
-  8k cached tokens is a large part of a step;
+  bytes over the time as GB/s and as a share of an fp32 sum's rate read between passes. On Zen 4
+  the op read 17.6 GB/s at 8192 slots until its loops read rows in address order, 30-35 GB/s
+  since (BENCHMARKS.md, "sixty-sixth pass"); at 8k cached tokens that is a large part of a step;
 - step: the whole decode step of a recipe (--size, random weights) at that position, per
   exe_mode, with and without the custom op. The cache is filled with random values instead of
   running a --position-token prefill (the step's cost does not depend on the values); each row's

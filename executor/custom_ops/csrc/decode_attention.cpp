@@ -19,7 +19,9 @@
 // at batch 1-64 and up to 2k valid slots, bf16 and fp32 (BENCHMARKS.md, "fourteenth pass").
 //
 // On a CPU with AVX512-BF16 the bf16 scores come from its dot product (vdpbf16ps) on the K rows as
-// stored (k_scores_bf16); the V rows are still widened in registers.
+// stored (k_scores_bf16); the V rows are still widened in registers. Every loop but dots_bf16 (which
+// read level either way) reads a row's vectors one after another, in address order, and nothing is
+// prefetched by hand (the note above fp32_rows says why).
 
 #include "cpu_vec.h"  // first: ATen's vector width
 
@@ -317,7 +319,7 @@ bool native_bf16_scores() {
 #endif
 }
 
-// No software prefetch: every loop reads its rows in address order and the hardware prefetcher
+// No software prefetch: the loops read their rows in address order and the hardware prefetcher
 // follows. Two look-aheads that had paid against loops reading the rows a column at a time cost
 // time once the rows were read in order (Zen 4, 28 layers' caches, one build switched at run time):
 // - the next work item's first 16 KB of K and V rows, asked for before an item starts (forty-sixth
