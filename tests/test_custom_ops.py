@@ -206,33 +206,47 @@ def test_unknown_or_repeated_custom_op_is_a_config_error_listing_the_available()
 
 
 def test_left_out_custom_ops_are_chosen_by_the_cache_length_and_a_list_is_the_users():
-    at = custom_ops.load("decode_attention").auto_min_slots
+    op = custom_ops.load("decode_attention")
+    at = op.auto_min_slots(128)
     assert at > 0
-    chosen, why = custom_ops.resolve(None, "cpu", at, 1)
-    assert chosen == ("decode_attention",) and f"at {at} KV-cache slots" in why and "[] runs without" in why
-    chosen, why = custom_ops.resolve(None, "cpu", at - 1, 1)
-    assert chosen == () and f"from {at} KV-cache slots, this run has {at - 1}" in why
-    assert custom_ops.resolve((), "cpu", 16 * at, 1)[0] == ()  # [] keeps the reference at any length
-    assert custom_ops.resolve(("decode_attention",), "cpu", 8, 1)[0] == ("decode_attention",)
+    chosen, why = custom_ops.resolve(None, "cpu", at, 128, 1)
+    assert chosen == ("decode_attention",) and f"at {at} KV-cache slots (>= {at} at head_dim 128)" in why
+    assert "[] runs without" in why
+    chosen, why = custom_ops.resolve(None, "cpu", at - 1, 128, 1)
+    assert chosen == () and f"from {at} KV-cache slots at head_dim 128, this run has {at - 1}" in why
+    assert custom_ops.resolve((), "cpu", 16 * at, 128, 1)[0] == ()  # [] keeps the reference at any length
+    assert custom_ops.resolve(("decode_attention",), "cpu", 8, 128, 1)[0] == ("decode_attention",)
     for device, world in (("npu", 1), ("cuda", 1), ("cpu", 2)):  # measured on one CPU rank only
-        chosen, why = custom_ops.resolve(None, device, 16 * at, world)
+        chosen, why = custom_ops.resolve(None, device, 16 * at, 128, world)
         assert chosen == () and "left out" in why, (device, world)
-        assert custom_ops.resolve(None, device, 8, world, "eager")[0] == (), (device, world)
+        assert custom_ops.resolve(None, device, 8, 128, world, "eager")[0] == (), (device, world)
+
+
+def test_the_cache_length_that_pays_scales_with_head_dim():
+    """The threshold counts a kv head's cached values: heads a quarter as wide need four times the
+    slots (at head_dim 32 and 128 slots the op cost the compiled step time; at 128 it saved some)."""
+    op = custom_ops.load("decode_attention")
+    assert op.auto_min_slots(32) == 4 * op.auto_min_slots(128) and op.auto_min_slots(64) == 2 * op.auto_min_slots(128)
+    assert op.auto_min_slots(96) * 96 >= op.auto_min_kv_values > (op.auto_min_slots(96) - 1) * 96  # rounded up
+    slots = op.auto_min_slots(128)
+    assert custom_ops.resolve(None, "cpu", slots, 128, 1)[0] == ("decode_attention",)
+    chosen, why = custom_ops.resolve(None, "cpu", slots, 32, 1)
+    assert chosen == () and f"from {4 * slots} KV-cache slots at head_dim 32, this run has {slots}" in why
 
 
 def test_eager_gets_decode_attention_at_any_cache_length():
     """No compiled kernel to split in eager, so the length threshold does not apply there."""
     assert custom_ops.load("decode_attention").auto_in_eager
-    chosen, why = custom_ops.resolve(None, "cpu", 8, 1, "eager")
+    chosen, why = custom_ops.resolve(None, "cpu", 8, 128, 1, "eager")
     assert chosen == ("decode_attention",) and "decode_attention in eager at any KV-cache length" in why
-    assert custom_ops.resolve(None, "cpu", 8, 1, "ge_graph")[0] == ()
-    assert custom_ops.resolve((), "cpu", 8, 1, "eager")[0] == ()  # [] is the user's
+    assert custom_ops.resolve(None, "cpu", 8, 128, 1, "ge_graph")[0] == ()
+    assert custom_ops.resolve((), "cpu", 8, 128, 1, "eager")[0] == ()  # [] is the user's
 
 
 def test_without_a_compiler_a_left_out_op_is_not_chosen_and_the_reason_is_said(tmp_path):
     """Nobody asked for the op, so a host that cannot build it runs the reference (one line says
     why) instead of stopping, as it must when the op is listed."""
-    code = "from executor import custom_ops\nprint(custom_ops.resolve(None, 'cpu', 1 << 14, 1))\n"
+    code = "from executor import custom_ops\nprint(custom_ops.resolve(None, 'cpu', 1 << 14, 128, 1))\n"
     out = run_code(code, CXX=str(tmp_path / "no" / "g++"), CANN_RECIPES_EXTENSIONS_DIR=str(tmp_path / "ext"))
     assert (
         out.startswith("((), ")
@@ -244,18 +258,18 @@ def test_without_a_compiler_a_left_out_op_is_not_chosen_and_the_reason_is_said(t
 
 
 def test_a_long_cache_gets_the_op_unless_the_config_lists_none(make_qwen_runner, qwen3_ckpt):
-    """End to end: left out, a compiled run of 512 slots layers the op (a shorter one does not), an
-    eager run at any length, and says so in its log and metrics; the same run with `custom_ops: []`
-    keeps the reference; both decode the same greedy tokens. (The compiled runners are only
-    built: the op table is chosen before anything compiles.)"""
-    at = custom_ops.load("decode_attention").auto_min_slots
+    """End to end: left out, a compiled run long enough for its head_dim (32: 512 slots) layers the
+    op (a shorter one does not), an eager run at any length, and says so in its log and metrics;
+    the same run with `custom_ops: []` keeps the reference; both decode the same greedy tokens.
+    (The compiled runners are only built: the op table is chosen before anything compiles.)"""
+    at = custom_ops.load("decode_attention").auto_min_slots(32)  # the checkpoint's head_dim
     new = 4
     graph = "model_config.exe_mode=ge_graph"
     long = make_qwen_runner(qwen3_ckpt, f"data_config.input_truncated_len={at - new}", graph, max_new_tokens=new)
     short = make_qwen_runner(qwen3_ckpt, graph, max_new_tokens=new)  # 24 + 4 slots
     assert long.context.op_table == "reference+decode_attention" and short.context.op_table == "reference"
-    assert f"decode_attention at {at} KV-cache slots" in long.custom_ops_note
-    assert f"decode_attention from {at} KV-cache slots, this run has 28" in short.custom_ops_note
+    assert f"decode_attention at {at} KV-cache slots (>= {at} at head_dim 32)" in long.custom_ops_note
+    assert f"decode_attention from {at} KV-cache slots at head_dim 32, this run has 28" in short.custom_ops_note
     chosen = make_qwen_runner(qwen3_ckpt, "model_config.exe_mode=eager", max_new_tokens=new)
     listed = make_qwen_runner(
         qwen3_ckpt, "model_config.exe_mode=eager", "model_config.custom_ops=[]", max_new_tokens=new

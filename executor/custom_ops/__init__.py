@@ -38,17 +38,23 @@ class CustomOp:
     sources: tuple[str, ...] = ()  # C++ files of its CPU kernel (executor/custom_ops/csrc/); () = no CPU kernel
     npu: str = ""  # module of executor/backends/ with register(torch_npu, torchair): NPU kernel + GE converter
     summary: str = ""  # one line for --help texts and reports
-    # custom_ops left out: a CPU run of one rank whose static KV cache has at least this many
-    # slots gets the op (where its kernel measured faster than the base table's); 0 = never
-    auto_min_slots: int = 0
-    # ... and an eager one at any cache length (auto_min_slots > 0 only): a threshold that exists
-    # because the op's extern call splits a compiled graph's fused kernels has no reason in eager
+    # custom_ops left out: a CPU run of one rank whose static KV cache holds at least this many
+    # values a kv head (slots x head_dim) gets the op (where its kernel measured faster than the
+    # base table's); 0 = never
+    auto_min_kv_values: int = 0
+    # ... and an eager one at any cache length (auto_min_kv_values > 0 only): a threshold that
+    # exists because the op's extern call splits a compiled graph's fused kernels has no reason in eager
     auto_in_eager: bool = False
 
     @property
     def library(self) -> str:
         """File name of its built CPU kernel library."""
         return f"cann_{self.name}"
+
+    def auto_min_slots(self, head_dim: int) -> int:
+        """The fewest KV-cache slots at which a compiled run with heads of `head_dim` gets the op
+        by default (0: never)."""
+        return -(-self.auto_min_kv_values // head_dim) if self.auto_min_kv_values else 0
 
 
 def available() -> list[str]:
@@ -119,16 +125,16 @@ def check_runnable(names: Sequence[str], device: str, exe_mode: str) -> None:
 
 
 def resolve(
-    names: Sequence[str] | None, device: str, kv_slots: int, world: int, exe_mode: str = "ge_graph"
+    names: Sequence[str] | None, device: str, kv_slots: int, head_dim: int, world: int, exe_mode: str = "ge_graph"
 ) -> tuple[tuple[str, ...], str]:
     """The custom ops a run layers on its op table, and one line saying why.
 
     `names` is model_config.custom_ops. A list, even an empty one, is the user's and is taken as
     given (the pre-flight then refuses what cannot run). Left out (None), the ops that pay at this
-    run's static cache length are chosen (`CustomOp.auto_min_slots`; in eager at any length where
-    `CustomOp.auto_in_eager`): on CPU and one rank only, where they were measured, and only where
-    the kernel is built or can be built here, since nobody asked for it and a missing compiler
-    must not stop the run. Each op's entry says why its threshold is where it is.
+    run's static cache length and head_dim are chosen (`CustomOp.auto_min_kv_values`; in eager at
+    any length where `CustomOp.auto_in_eager`): on CPU and one rank only, where they were measured,
+    and only where the kernel is built or can be built here, since nobody asked for it and a
+    missing compiler must not stop the run. Each op's entry says why its threshold is where it is.
     """
     if names is not None:
         return tuple(names), f"custom ops: {', '.join(names) or 'none'} (model_config.custom_ops)"
@@ -139,11 +145,12 @@ def resolve(
     chosen, why = [], []
     for name in available():
         op = load(name)
-        if not op.auto_min_slots:
+        at = op.auto_min_slots(head_dim)
+        if not at:
             continue
         eager = exe_mode == "eager" and op.auto_in_eager
-        if kv_slots < op.auto_min_slots and not eager:
-            why.append(f"{name} from {op.auto_min_slots} KV-cache slots, this run has {kv_slots}")
+        if kv_slots < at and not eager:
+            why.append(f"{name} from {at} KV-cache slots at head_dim {head_dim}, this run has {kv_slots}")
             continue
         from executor.custom_ops._build import check_buildable
 
@@ -156,7 +163,7 @@ def resolve(
         why.append(
             f"{name} in eager at any KV-cache length"
             if eager
-            else f"{name} at {kv_slots} KV-cache slots (>= {op.auto_min_slots})"
+            else f"{name} at {kv_slots} KV-cache slots (>= {at} at head_dim {head_dim})"
         )
     detail = "; ".join(why) + ("; [] runs without" if chosen else "") or "none is chosen"
     return tuple(chosen), f"custom ops: {', '.join(chosen) or 'none'} ({left_out}: {detail})"
