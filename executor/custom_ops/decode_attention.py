@@ -58,16 +58,17 @@ OP = CustomOp(
     sources=("decode_attention.cpp",),
     npu="executor.backends.npu_decode_attention",
     summary="decode attention over the valid KV-cache slots only (cost follows the position, not max_len)",
-    # Chosen by default on CPU once a kv head's cache holds this many values (slots x head_dim):
-    # 128 slots at head_dim 128 (Qwen2.5-1.5B and up, Qwen3), 512 at head_dim 32 (the built-in and
+    # Chosen by default on CPU once a kv head's cache holds this many values (slots x head_dim): 128
+    # slots at head_dim 128 (Qwen2.5-1.5B and up, Qwen3), 512 at head_dim 32 (the built-in and
     # bench-overhead sizes). Below it the op's fixed cost (~10 us a call) and its extern call, which
     # splits the layer's fused kernel, cost more than the skipped slots save. Speed-up of the
     # 0.6B-shape (head_dim 128) step with the op, nearly full cache, paired rounds (AVX-512 host;
-    # BENCHMARKS.md, "sixty-seventh pass"): at 128 slots 0.99-1.04x fp32 batch 1, 16 and 64, 1.05x bf16
-    # batch 4; at 64 slots 0.97-1.06x. At head_dim 32 and 128 slots the op cost: 0.81x SK decoder,
-    # 0.88x ge_graph at batch 16. The rule was 512 slots at any head_dim until the op read its rows
-    # in address order ("sixteenth", "seventeenth", "twenty-second" and "sixty-sixth pass"); rows
-    # are not counted (at 64 slots, batch 4-64 were level on the AVX2 host, "twenty-third pass").
+    # BENCHMARKS.md, "sixty-seventh pass"): at 128 slots 0.99-1.04x fp32 batch 1, 16 and 64, 1.05x
+    # bf16 batch 4; at 64 slots 0.97-1.06x. At head_dim 64 (Qwen2.5-0.5B's shape) and 256 slots
+    # level (0.99-1.01x). At head_dim 32 and 128 slots the op cost: 0.81x SK decoder, 0.88x ge_graph
+    # at batch 16. The rule was 512 slots at any head_dim until the op read its rows in address
+    # order ("sixteenth", "seventeenth", "twenty-second" and "sixty-sixth pass"); rows are not
+    # counted (at 64 slots, batch 4-64 were level on the AVX2 host, "twenty-third pass").
     auto_min_kv_values=128 * 128,
     # In eager nothing is fused to split: at 64 slots the eager 0.6B step took 0.87x (bf16 batch 1),
     # 0.85x / 0.86x (bf16 batch 16 / 64) and 0.89x (fp32 batch 16) the time with the op, where the
