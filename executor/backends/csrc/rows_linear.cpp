@@ -141,7 +141,7 @@ int64_t own_ahead() {
 // weight's k extent per block (K/2 pairs in bf16, K in fp32), 256 bytes (4 cache lines) per step.
 //
 // With more than kRows rows a block is run by several tiles, of balanced sizes (16 rows: 6 + 5 + 5,
-// not 6 + 6 + 4). The first tile reads the block from memory, the others from L2; alone, that left
+// not 6 + 6 + 4; on AMD the larger last, below). The first tile reads the block from memory, the others from L2; alone, that left
 // the memory bus idle while the later tiles computed. So every tile also prefetches a share of the
 // next block into L2, in proportion to its rows: the stream is spread over the whole block's
 // compute. On the 0.6B-shape projections (cold, one pass over all of them, 7 rounds) that ran
@@ -164,20 +164,40 @@ int64_t own_ahead() {
 // 0.91 / 0.88 / 0.90x the time (11 rounds, 10-11 of 11 faster; 4 KB ahead was no better), so an
 // AMD CPU (Zen 5 unmeasured) asks for none (own_ahead). bf16's loop runs only on AMD (the AMX kind
 // has its own) and asks for none either: 8 KB ahead made its pass at 4 rows 1.05x slower on Zen 4.
+// On an AMD CPU the larger tiles run last (16 rows: 5 + 5 + 6), and each keeps the share of the next
+// block that its position has in the larger-first split (1 + 1 + 2 lines a step): the block's first
+// pass, the one that meets lines still arriving, is made by a smaller tile, and the largest share
+// goes to a longer tile, at a lower rate. On Zen 4 (the 0.6B-shape projections, cold, one build
+// switched at run time, 9-15 rounds in random order, a control arm) that ran 16 rows at 0.92-0.96x
+// the time in bf16 and 0.91-0.95x in fp32, 14 rows at 0.96-0.97x in bf16 (level in fp32), 7, 13,
+// 17, 22, 32 and 64 rows level, with the same outputs. Larger last with the shares of its own split (1 + 3 lines at 7 rows) ran 7 rows 1.15x
+// slower, and each tile's exact share spread evenly over its steps read 0.93-1.06x by row count
+// (BENCHMARKS.md, "sixty-seventh pass"). Intel CPUs keep the larger-first order (unmeasured there).
+// Whether the larger tiles of rows run last (run_tiles): on an AMD CPU; asked once.
+bool larger_last() {
+  static const bool last = __builtin_cpu_is("amd");
+  return last;
+}
+
 template <typename T>
 void run_tiles(const TileFn<T>* tiles, const T* x, int64_t M, int64_t K, const T* w, int64_t NB, int64_t kstep,
                const float* bias, T* y) {
   const int64_t N = NB * kCols, block = K * kCols, n_tiles = (M + kRows - 1) / kRows;
+  const int64_t base = M / n_tiles, extra = M % n_tiles;  // `extra` tiles take one row more
+  const bool last = larger_last();
   const int64_t ahead = n_tiles == 1 && std::is_same_v<T, float> ? own_ahead() : 0;
   cann::leftovers_for(NB, [&](int64_t nb, bool next) {
     const float* bb = bias ? bias + nb * kCols : nullptr;
     const bool prefetch = n_tiles > 1 && next;  // next: block nb + 1 exists and is this thread's
     const char* pf = reinterpret_cast<const char*>(w + (nb + 1) * block);
-    for (int64_t m0 = 0, t = 0, mb = 0; m0 < M; m0 += mb, ++t) {
-      mb = M / n_tiles + (t < M % n_tiles);
-      const int pfl = prefetch ? static_cast<int>((4 * (m0 + mb)) / M - (4 * m0) / M) : 0;
+    for (int64_t t = 0, m0 = 0; t < n_tiles; ++t) {
+      const int64_t mb = base + (last ? t >= n_tiles - extra : t < extra);
+      // tile t's share of the next block: as the larger-first split gives position t its rows
+      const int64_t s0 = t * base + std::min(t, extra), s1 = s0 + base + (t < extra);
+      const int pfl = prefetch ? static_cast<int>((4 * s1) / M - (4 * s0) / M) : 0;
       tiles[mb](x + m0 * K, K, w + nb * block, kstep, bb, y + m0 * N + nb * kCols, N, pf, pfl, ahead);
       pf += pfl * kstep * 64;
+      m0 += mb;
     }
   });
 }
