@@ -130,6 +130,15 @@ def test_kernel_takes_strided_and_batched_rows(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_no_rows_give_an_empty_output(dtype):
+    """A call with no rows of x (an empty batch) returns (0, N) and computes nothing: the tile split
+    divides by the number of tiles, which is zero then."""
+    w = torch.randn(128, 64).to(dtype)
+    y = torch.ops.cann_cpu.rows_linear(torch.zeros(0, 64, dtype=dtype), packed_linear.pack_rows(w), None)
+    assert y.shape == (0, 128) and y.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 6, 13, 200])
 def test_a_weight_as_stored_gives_what_the_packed_one_gives(dtype, rows):
     """The AVX2 loop on an unpacked (N, K) weight (the eager bf16 prefill where oneDNN would emulate

@@ -137,17 +137,23 @@ int64_t own_ahead() {
   return ahead;
 }
 
+// Whether the larger tiles of rows run last (run_tiles): on an AMD CPU; asked once.
+bool larger_last() {
+  static const bool last = __builtin_cpu_is("amd");
+  return last;
+}
+
 // Every 64-column block (in parallel, leftovers_for) times every tile of rows. `kstep` is the packed
 // weight's k extent per block (K/2 pairs in bf16, K in fp32), 256 bytes (4 cache lines) per step.
 //
 // With more than kRows rows a block is run by several tiles, of balanced sizes (16 rows: 6 + 5 + 5,
-// not 6 + 6 + 4; on AMD the larger last, below). The first tile reads the block from memory, the others from L2; alone, that left
-// the memory bus idle while the later tiles computed. So every tile also prefetches a share of the
-// next block into L2, in proportion to its rows: the stream is spread over the whole block's
-// compute. On the 0.6B-shape projections (cold, one pass over all of them, 7 rounds) that ran
-// M = 16 1.12-1.16x faster in fp32 and 1.15x in bf16, M = 32 1.05x / 1.17x and M = 64 0.98x /
-// 1.10x than no prefetch (BENCHMARKS.md, "tenth pass"). The shares add up to the next block's 4
-// lines per step exactly (16 rows: 1 + 1 + 2), as in the AVX2 loop (avx2_block). Each tile's share
+// not 6 + 6 + 4; on AMD the larger last, below). The first tile reads the block from memory, the
+// others from L2; alone, that left the memory bus idle while the later tiles computed. So every
+// tile also prefetches a share of the next block into L2, in proportion to its rows: the stream is
+// spread over the whole block's compute. On the 0.6B-shape projections (cold, one pass over all of
+// them, 7 rounds) that ran M = 16 1.12-1.16x faster in fp32 and 1.15x in bf16, M = 32 1.05x / 1.17x
+// and M = 64 0.98x / 1.10x than no prefetch (BENCHMARKS.md, "tenth pass"). The shares add up to the
+// next block's 4 lines per step exactly (16 rows: 1 + 1 + 2), as in the AVX2 loop (avx2_block). Each tile's share
 // rounded up instead (2 + 2 + 2 at 16 rows, 1 per tile at 64: 1.5 and 2.75 blocks ahead) ran the
 // fp32 pass at 16 rows in 0.86-0.88x of that one's time and at 32 in 0.96x on the Intel AMX kind
 // (in-process A/B, 9 alternating rounds, every round faster; BENCHMARKS.md, "fifty-eighth pass").
@@ -170,18 +176,14 @@ int64_t own_ahead() {
 // goes to a longer tile, at a lower rate. On Zen 4 (the 0.6B-shape projections, cold, one build
 // switched at run time, 9-15 rounds in random order, a control arm) that ran 16 rows at 0.92-0.96x
 // the time in bf16 and 0.91-0.95x in fp32, 14 rows at 0.96-0.97x in bf16 (level in fp32), 7, 13,
-// 17, 22, 32 and 64 rows level, with the same outputs. Larger last with the shares of its own split (1 + 3 lines at 7 rows) ran 7 rows 1.15x
-// slower, and each tile's exact share spread evenly over its steps read 0.93-1.06x by row count
-// (BENCHMARKS.md, "sixty-seventh pass"). Intel CPUs keep the larger-first order (unmeasured there).
-// Whether the larger tiles of rows run last (run_tiles): on an AMD CPU; asked once.
-bool larger_last() {
-  static const bool last = __builtin_cpu_is("amd");
-  return last;
-}
-
+// 17, 22, 32 and 64 rows level, with the same outputs. Larger last with the shares of its own split
+// (1 + 3 lines at 7 rows) ran 7 rows 1.15x slower, and each tile's exact share spread evenly over
+// its steps read 0.93-1.06x by row count (BENCHMARKS.md, "sixty-seventh pass"). Intel CPUs keep the
+// larger-first order (unmeasured there).
 template <typename T>
 void run_tiles(const TileFn<T>* tiles, const T* x, int64_t M, int64_t K, const T* w, int64_t NB, int64_t kstep,
                const float* bias, T* y) {
+  if (M == 0) return;
   const int64_t N = NB * kCols, block = K * kCols, n_tiles = (M + kRows - 1) / kRows;
   const int64_t base = M / n_tiles, extra = M % n_tiles;  // `extra` tiles take one row more
   const bool last = larger_last();
