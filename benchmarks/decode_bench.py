@@ -190,13 +190,14 @@ def matmul_tflops(platform: Platform, dtype: torch.dtype, n: int = 1536, runs: i
     a, b = (torch.randn(n, n, device=platform.kind).to(dtype) for _ in range(2))
     products = [lambda: a @ b]
     if platform.kind == "cpu" and eager_linear.rows_run_plain(dtype):
-        # the rows kernel on the weight as stored, what the eager path's products of many rows run
-        # on an AVX2 host: in bf16 alone, as oneDNN would emulate it there (aten's product ran at
-        # 0.8 GFLOP/s, ~9 s a call, the kernel at 150; BENCHMARKS.md, "nineteenth pass"), in fp32
+        # the rows kernel on the weight as stored, what the eager path's products of many rows run:
+        # in bf16 on an AVX2 host alone, as oneDNN would emulate it there (aten's product ran at
+        # 0.8 GFLOP/s, ~9 s a call, the kernel at 150; BENCHMARKS.md, "nineteenth pass"); elsewhere
         # next to the libraries below (the faster counts)
         weight = b.t().contiguous()
         rows = lambda: torch.ops.cann_cpu.rows_linear(a, weight, None)  # noqa: E731
-        products = [rows] if dtype == torch.bfloat16 else [*products, rows]
+        emulated = dtype == torch.bfloat16 and not packed_linear.supported(dtype)
+        products = [rows] if emulated else [*products, rows]
     if platform.kind == "cpu" and packed_linear.supported(dtype):  # never where bf16 is emulated
         # The fastest of the CPU's libraries: aten's fp32 product is MKL's sgemm, which ran at
         # 0.13 TFLOP/s on the AMD reference machine where oneDNN ran the same product at 0.21

@@ -75,38 +75,47 @@ def test_autograd_stays_with_aten():
     assert x.grad is not None
 
 
-def test_many_bf16_rows_go_to_the_rows_kernel_only_where_onednn_would_emulate_bf16():
-    """Where oneDNN runs bf16 natively, aten's linear (which calls it) keeps them, except up to 64
-    rows: on a CPU with AMX the AMX loop takes those of a weight of whole 64-row blocks as stored, on
-    another AVX512-BF16 CPU dot_linear takes any weight as stored; where oneDNN would emulate bf16
-    (an AVX2 host), the rows kernel takes a weight of whole 16-row blocks as stored (dot_linear's AVX2
-    loop only up to 11 rows)."""
+def test_many_bf16_rows_go_to_the_rows_kernel_except_on_a_cpu_with_amx():
+    """Up to 64 rows: on a CPU with AMX the AMX loop takes those of a weight of whole 64-row blocks as
+    stored, on another AVX512-BF16 CPU dot_linear takes any weight as stored. Past 64 rows the rows
+    kernel takes a weight as stored, packing it as it goes, where it has a loop for it: its AVX2 loop
+    (whole 16-row blocks) where oneDNN would emulate bf16 (an AVX2 host; dot_linear's AVX2 loop only
+    up to 11 rows), its AVX-512 loop (whole 64-row blocks, K even) on an AVX512-BF16 CPU without AMX;
+    aten's linear (oneDNN) otherwise, and for a weight the blocks do not divide."""
     torch.manual_seed(0)
     big = torch.nn.Linear(256, LARGE).to(torch.bfloat16)
+    odd = torch.nn.Linear(256, LARGE + 16).to(torch.bfloat16)  # N a multiple of 16, not of 64
     x = torch.randn(12, 256).to(torch.bfloat16)
     mode = LinearKernel()
     with torch.no_grad():
         got = mode.linear(x, big.weight, big.bias)
-        mode.linear(x, big.weight[:-8], big.bias[:-8])  # N not a multiple of 16 (nor 64): aten
-        many = mode.linear(torch.randn(65, 256).to(torch.bfloat16), big.weight, big.bias)  # past the AMX loop
+        mode.linear(x, big.weight[:-8], big.bias[:-8])  # just below the size limit: aten
+        x_many = torch.randn(65, 256).to(torch.bfloat16)
+        many = mode.linear(x_many, big.weight, big.bias)  # past dot_linear and the AMX loop
+        mode.linear(x_many, odd.weight, odd.bias)  # the AVX2 loop's blocks divide it, the AVX-512 one's not
     want = F.linear(x.double(), big.weight.double(), big.bias.double())
-    takes = not packed_linear.supported(torch.bfloat16) and packed_linear.kernel_cols(torch.bfloat16) == 16
+    emulated = not packed_linear.supported(torch.bfloat16) and packed_linear.kernel_cols(torch.bfloat16) == 16
+    avx512 = packed_linear.kernel_cols(torch.bfloat16) == 64 and not packed_linear.cpu_has_amx()
     plain = eager_linear.rows_run_plain(torch.bfloat16)
     amx = packed_linear.amx_runs()
-    assert plain == (takes and packed_linear.kernel_runs(torch.bfloat16))
+    assert plain == ((emulated or avx512) and packed_linear.kernel_runs(torch.bfloat16))
+    assert eager_linear.plain_cols(torch.bfloat16) == (16 if emulated else 64 if avx512 else 0) * plain
     assert not (plain and amx)
-    # 12 rows: dot_linear's AVX2 loop leaves them to the rows kernel; the sliced weight is just below the size limit
+    # 12 rows: dot_linear's AVX2 loop leaves them to the rows kernel
     dot = int(eager_linear.dot_runs(torch.bfloat16) and eager_linear.dot_max_rows(torch.bfloat16) >= 12)
-    assert not (dot and (plain or amx))
+    rows_calls = (3 if emulated else 1) * plain  # the AVX2 loop: 12 rows, 65 rows twice; the AVX-512 one: `big` only
     assert (mode.onednn_calls, mode.gemv_calls, mode.rows_calls, mode.amx_calls, mode.dot_calls) == (
         0,
         0,
-        2 * plain,
+        rows_calls,
         int(amx),
         dot,
     )
     torch.testing.assert_close(got.double(), want, rtol=8e-3, atol=1e-2)
     assert many.shape == (65, LARGE)
+    torch.testing.assert_close(
+        many.double(), F.linear(x_many.double(), big.weight.double(), big.bias.double()), rtol=8e-3, atol=1e-2
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -287,14 +296,16 @@ def test_eager_decode_runs_the_gemv_kernel_and_matches_hf(wide_ckpt, make_qwen_r
 def test_bf16_takes_the_kernels_and_small_models_keep_aten(wide_ckpt, qwen3_ckpt, make_qwen_runner):
     """bf16: the GEMV kernel for a few rows; more rows go to dot_linear (up to 64, an AVX512-BF16
     CPU without AMX), the AMX loop (up to 64, a CPU with AMX) or oneDNN through aten where it runs
-    bf16 natively, to the rows kernel where it would emulate it (the prefill then matches HF's
+    bf16 natively; past dot_linear's rows to the rows kernel on the weight as stored where oneDNN
+    would emulate bf16 and on an AVX512-BF16 CPU without AMX (the prefill then matches HF's
     logits)."""
-    runner = make_qwen_runner(wide_ckpt, "model_config.dtype=bfloat16")
+    # a cache for 66 prompt rows (the AVX-512 case below)
+    runner = make_qwen_runner(wide_ckpt, "model_config.dtype=bfloat16", "data_config.input_truncated_len=72")
     native = packed_linear.supported(torch.bfloat16)
     want_kernel = (
         "gemv+amx_linear"
         if packed_linear.cpu_has_amx()
-        else "gemv+dot_linear"
+        else "gemv+dot_linear+rows_linear"
         if torch.cpu._is_avx512_bf16_supported()
         else "gemv"
         if native
@@ -304,7 +315,8 @@ def test_bf16_takes_the_kernels_and_small_models_keep_aten(wide_ckpt, qwen3_ckpt
     )
     assert runner.prefill_kernels.linear_kernel == want_kernel
     if eager_linear.rows_run_plain(torch.bfloat16):
-        prompt = PROMPT + [60, 61, 62, 63]  # 13 rows: past dot_linear's AVX2 loop (11 in bf16)
+        rows = eager_linear.dot_max_rows(torch.bfloat16) + 2  # past dot_linear's: 13 on its AVX2 loop, 66 on AVX-512
+        prompt = (PROMPT + [(7 * i) % 90 + 60 for i in range(rows)])[:rows]
         first = runner.generate([prompt], 1).first_logits[0].float()
         want = hf_logits(ckpt.load_reference(wide_ckpt), prompt)[-1]  # fp32: bf16 is checked by cosine
         assert F.cosine_similarity(first, want, dim=0) > 0.99

@@ -2,7 +2,9 @@
 (executor.backends.packed_linear), against fp32 `linear` on the same values.
 
 It has two loops, chosen by the packed layout: 64-column blocks for AVX-512 (AVX512-BF16 in bf16)
-and 16-column blocks for AVX2, which also takes a weight as stored, (N, K), packing as it goes.
+and 16-column blocks for AVX2. A weight as stored, (N, K), is packed a block at a time as the loop
+goes: by the AVX-512 bf16 loop where it runs and 64-column blocks of k pairs fit, by the AVX2 loop
+otherwise.
 Every loop this CPU runs is tested (an AVX-512 host runs both).
 The kernel needs a C++ compiler and an x86-64 CPU with AVX2; where one is missing the kernel tests
 skip, while the packing and no-compiler tests run everywhere.
@@ -87,7 +89,11 @@ def test_kernel_matches_fp32_linear_for_every_tile_size(dtype, cols, rows, bias)
     torch.testing.assert_close(y.float(), reference(x, w, b), **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize(("cols", "packed"), [(64, True), (16, True), (16, False)], ids=["avx512", "avx2", "as-stored"])
+@pytest.mark.parametrize(
+    ("cols", "packed"),
+    [(64, True), (16, True), (16, False), (64, False)],
+    ids=["avx512", "avx2", "as-stored", "as-stored-avx512"],
+)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_block_runs_once_whatever_the_threads(dtype, cols, packed):
     """The loops hand each thread a share of the blocks (of 64 or 16 columns) and let a thread that
@@ -143,7 +149,8 @@ def test_no_rows_give_an_empty_output(dtype):
 def test_a_weight_as_stored_gives_what_the_packed_one_gives(dtype, rows):
     """The AVX2 loop on an unpacked (N, K) weight (the eager bf16 prefill where oneDNN would emulate
     bf16) packs each block itself into the same layout, so its result is the packed call's, bit for
-    bit: also with K odd, a bias, and weight rows further apart than K (a slice of a wider one)."""
+    bit: also with K odd, a bias, and weight rows further apart than K (a slice of a wider one).
+    N = 48 fits no 64-column block, so an AVX512-BF16 host runs this loop too."""
     if not loop_runs(dtype, 16):
         pytest.skip("this CPU does not run the 16-column loop")
     torch.manual_seed(rows)
@@ -154,6 +161,26 @@ def test_a_weight_as_stored_gives_what_the_packed_one_gives(dtype, rows):
     assert y.dtype == dtype and y.shape == (rows, 48)
     assert torch.equal(y, torch.ops.cann_cpu.rows_linear(x, packed_linear.pack_rows(w.contiguous(), 16), b))
     torch.testing.assert_close(y.float(), reference(x, w, b), **TOLERANCE[dtype])
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 6, 13, 65, 200])
+def test_a_bf16_weight_as_stored_runs_the_avx512_loop_with_the_packed_result(rows):
+    """On an AVX512-BF16 CPU a bf16 weight as stored whose N is a multiple of 64 and K even (the eager
+    bf16 products past dot_linear's 64 rows) runs the AVX-512 loop, packing each 64-column block as
+    it goes (16 x 16 transposes of k pairs, a scalar copy for the last pairs): its result is the
+    packed call's, bit for bit, with a bias, K pairs not a multiple of 16 (150 = 9 x 16 + 6) and
+    weight rows further apart than K. A transpose that put one pair in the wrong lane fails here."""
+    if not loop_runs(torch.bfloat16, 64):
+        pytest.skip("this CPU does not run the 64-column bf16 loop")
+    torch.manual_seed(rows)
+    wide = (torch.randn(192, 302) * 0.05).to(torch.bfloat16)
+    w, b, x = wide[:, :300], torch.randn(192).to(torch.bfloat16), torch.randn(rows, 300).to(torch.bfloat16)
+    assert w.stride(0) == 302
+    y = torch.ops.cann_cpu.rows_linear(x, w, b)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 192)
+    assert torch.equal(y, torch.ops.cann_cpu.rows_linear(x, packed_linear.pack_rows(w.contiguous(), 64), b))
+    torch.testing.assert_close(y.float(), reference(x, w, b), **TOLERANCE[torch.bfloat16])
 
 
 @needs_kernel

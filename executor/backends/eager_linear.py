@@ -12,7 +12,10 @@ csrc/rows_linear.cpp): on a CPU without native bf16 (an AVX2 host) oneDNN emulat
 linear ran the 0.6B prefill's products at 11-21 GFLOP/s; the kernel's AVX2 loop, packing each
 16-row block of the weight as it goes, ran them within 1.01x of its time on a packed copy at 128
 rows, and the whole bf16 prefill of 128 tokens took 0.18x the time (BENCHMARKS.md, "nineteenth
-pass").
+pass"). On an AVX512-BF16 CPU without AMX its AVX-512 loop takes the bf16 products past dot_linear's
+64 rows the same way (64-row blocks): there aten's linear reorders the weight for oneDNN on every
+call, and over the 0.6B projections the loop took 0.87x / 0.90x / 0.98x / 0.97x aten's time at 128 /
+512 / 1024 / 2048 rows (Zen 4; BENCHMARKS.md, "sixty-eighth pass").
 
 Why a kernel for 1-4 rows (`cann_cpu::gemv`, csrc/gemv.cpp): with a row or a few (the eager
 decode step; the prefill's last-token logits) a linear is a stream over the weight, and aten
@@ -73,7 +76,8 @@ DOT_MIN_ROWS, DOT_MAX_ROWS = 3, 64  # the rows the eager path gives dot_linear (
 AVX2_DOT_MAX_ROWS = {torch.bfloat16: 11, torch.float32: 16}  # dot_linear's AVX2 loop: see dot_max_rows
 GEMV_DTYPES = (torch.bfloat16, torch.float32)
 GEMV_SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cpp"
-PLAIN_COLS = 16  # rows_linear's AVX2 loop, which alone takes a weight as stored (N a multiple of it)
+PLAIN_COLS = 16  # rows_linear's AVX2 loop on a weight as stored (N a multiple of it; plain_cols)
+PLAIN_COLS_AVX512 = 64  # its AVX-512 bf16 loop on a weight as stored (N a multiple of it, K even)
 PLAIN_MAX_ROWS_F32 = 1024  # the most fp32 rows the rows kernel takes; aten's sgemm more (rows_run_plain)
 
 _lib = torch.library.Library("cann_cpu", "FRAGMENT")  # the namespace is defined by packed_linear
@@ -225,8 +229,10 @@ def gemv_in_graphs(dtype: torch.dtype, launch_unit: bool = False) -> bool:
 @functools.cache
 def rows_run_plain(dtype: torch.dtype) -> bool:
     """Products of more rows than dot_linear takes go to `cann_cpu::rows_linear` on the weight as
-    stored, where the kernel's AVX2 loop runs (no AVX-512 for the dtype):
-    - bf16 where oneDNN would emulate bf16 (no AVX512-BF16 or AMX);
+    stored (plain_cols says which loop):
+    - bf16 where oneDNN would emulate bf16 (no AVX512-BF16 or AMX): the AVX2 loop;
+    - bf16 on an AVX512-BF16 CPU without AMX: the AVX-512 loop, ahead of aten's linear (the module
+      docstring);
     - fp32 on a CPU without AVX-512, ahead of oneDNN: on the AVX2 kind (Zen 3) it read the 0.6B
       projections in 0.81x oneDNN's time at 64 rows and 0.86-0.87x at 128 and 512 (BENCHMARKS.md,
       "fiftieth pass"); up to PLAIN_MAX_ROWS_F32 rows. Past that aten's linear (MKL's sgemm) takes
@@ -234,22 +240,31 @@ def rows_run_plain(dtype: torch.dtype) -> bool:
       1.05x at 2048 (the sum over the 0.6B projections), and the 2048-token fp32 prefill spent 1.08x
       aten's GEMM time in it (BENCHMARKS.md, "sixty-second pass"). oneDNN, the other candidate, took
       1.08-1.24x aten's time from 512 rows on."""
-    return (
-        dtype in (torch.bfloat16, torch.float32)
-        and (dtype == torch.float32 or not packed_linear.supported(dtype))
-        and packed_linear.kernel_cols(dtype) == PLAIN_COLS
-        and packed_linear.kernel_runs(dtype)
-    )
+    return plain_cols(dtype) > 0
+
+
+@functools.cache
+def plain_cols(dtype: torch.dtype) -> int:
+    """The column blocks of the rows kernel's loop on a weight as stored, whose multiple N must be
+    (rows_run_plain): PLAIN_COLS_AVX512 for bf16 on an AVX512-BF16 CPU without AMX (K even too),
+    PLAIN_COLS where the AVX2 loop takes it, 0 where the kernel does not take a weight as stored."""
+    if dtype not in (torch.bfloat16, torch.float32) or not packed_linear.kernel_runs(dtype):
+        return 0
+    cols = packed_linear.kernel_cols(dtype)
+    if dtype == torch.bfloat16 and packed_linear.supported(dtype):
+        return PLAIN_COLS_AVX512 if cols == PLAIN_COLS_AVX512 and not cpu_has_amx() else 0
+    return PLAIN_COLS if cols == PLAIN_COLS else 0
 
 
 class LinearKernel:
     """`linear` for the op table: the GEMV kernel for 1-4 rows (gemv_max_rows) of a large CPU
     weight in bf16 or fp32, except a single fp32 row on a CPU with AMX (aten_takes_single_rows);
     3-64 rows on dot_linear (in bf16 a CPU without AMX; on its AVX2 loop 3-16 in fp32, 3-11 in bf16:
-    dot_max_rows); for more rows the rows kernel on a CPU without AVX-512 (in bf16 also where oneDNN
-    would emulate it: rows_run_plain; in fp32 up to PLAIN_MAX_ROWS_F32 rows, aten's past that),
-    else oneDNN in fp32 and in bf16 the AMX loop (2-64 rows, a CPU with AMX); the reference
-    otherwise. The counts are what metrics.json reports."""
+    dot_max_rows); for more rows the rows kernel on the weight as stored (rows_run_plain): on a CPU
+    without AVX-512 (in fp32 up to PLAIN_MAX_ROWS_F32 rows, aten's past that), in bf16 also where
+    oneDNN would emulate it, and on an AVX512-BF16 CPU without AMX; else oneDNN in fp32 and in bf16
+    the AMX loop (2-64 rows, a CPU with AMX); the reference otherwise. The counts are what
+    metrics.json reports."""
 
     def __init__(self):
         self.onednn_calls = 0
@@ -273,7 +288,7 @@ class LinearKernel:
             if DOT_MIN_ROWS <= rows <= dot_max_rows(weight.dtype) and weight.stride(1) == 1 and dot_runs(weight.dtype):
                 self.dot_calls += 1
                 return torch.ops.cann_cpu.dot_linear.default(x, weight, bias)
-            if weight.stride(1) == 1 and weight.shape[0] % PLAIN_COLS == 0 and rows_run_plain(weight.dtype):
+            if _plain_fits(weight):
                 if weight.dtype == torch.float32 and rows > PLAIN_MAX_ROWS_F32:
                     self.aten_calls += 1
                     return reference.linear(x, weight, bias)
@@ -286,17 +301,29 @@ class LinearKernel:
         return reference.linear(x, weight, bias)
 
 
+def _plain_fits(weight: torch.Tensor) -> bool:
+    """The rows kernel takes this weight as stored (rows_run_plain): contiguous rows, N a multiple of
+    plain_cols, and K even for the AVX-512 bf16 loop (its k pairs)."""
+    cols = plain_cols(weight.dtype)
+    return (
+        cols > 0
+        and weight.stride(1) == 1
+        and weight.shape[0] % cols == 0
+        and (cols == PLAIN_COLS or weight.shape[1] % 2 == 0)
+    )
+
+
 def kernel_for(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str:
     """What a run's large linears get: "gemv+dot_linear+onednn" (fp32 on an AVX-512 CPU without
     AMX: GEMV for 1-2 rows, dot_linear for 3-64, oneDNN past that), "dot_linear+onednn" (fp32 on a
     CPU with AMX: a single row on aten, dot_linear for 3-64), "gemv+dot_linear+rows_linear"
-    (fp32 on an AVX2 CPU: dot_linear for 3-16 rows, the rows kernel past that up to 1024, aten more),
-    "gemv+dot_linear" (bf16 on an AVX512-BF16 CPU without AMX), "onednn" (fp32 elsewhere), "gemv"
-    (bf16: its few-row products), "gemv+amx_linear" (bf16 on a CPU with AMX: the AMX loop takes
-    2-64 rows), "gemv+dot_linear+rows_linear" (bf16 where oneDNN would emulate it: dot_linear's AVX2
-    loop takes 3-11 rows, the rows kernel more), "gemv+rows_linear" (the same without AVX2 for
-    dot_linear) or "aten" (another device or dtype, or no weight large enough). Asking builds no
-    kernel."""
+    (fp32 on an AVX2 CPU: dot_linear for 3-16 rows, the rows kernel past that up to 1024, aten more;
+    bf16 on an AVX512-BF16 CPU without AMX: dot_linear for 3-64 rows, the rows kernel's AVX-512 loop
+    past that; bf16 where oneDNN would emulate it: dot_linear's AVX2 loop takes 3-11 rows, the rows
+    kernel more), "onednn" (fp32 elsewhere), "gemv" (bf16: its few-row products), "gemv+amx_linear"
+    (bf16 on a CPU with AMX: the AMX loop takes 2-64 rows), "gemv+rows_linear" (bf16 where oneDNN
+    would emulate it, without AVX2 for dot_linear) or "aten" (another device or dtype, or no weight
+    large enough). Asking builds no kernel."""
     large = any(p.dim() == 2 and p.numel() >= packed_linear.MIN_WEIGHT_NUMEL for p in model.parameters())
     if device.type != "cpu" or not large:
         return "aten"
@@ -306,8 +333,8 @@ def kernel_for(model: torch.nn.Module, device: torch.device, dtype: torch.dtype)
         return "dot_linear+onednn"
     if dot and dtype == torch.float32:
         return "gemv+dot_linear+onednn" if cpu_has_avx512(dtype) else "gemv+dot_linear+rows_linear"
-    if dot and cpu_has_avx512(dtype):
-        return "gemv+dot_linear"
+    if dot and cpu_has_avx512(dtype):  # bf16 on an AVX512-BF16 CPU without AMX
+        return "gemv+dot_linear+rows_linear"
     if dtype == torch.float32 and packed_linear.supported(dtype):
         return "onednn"
     if dtype == torch.bfloat16 and not packed_linear.supported(dtype) and packed_linear.kernel_cols(dtype):

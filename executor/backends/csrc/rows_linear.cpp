@@ -10,6 +10,8 @@
 //     columns and broadcast x value.
 // - AVX2 + FMA, 16-column blocks, (N/16, K, 16) in either dtype (bf16 widened in registers): for a
 //   CPU without AVX-512, or without AVX512-BF16 in bf16 (further down).
+// A weight as stored, (N, K), is packed a block at a time as the loop goes: by the AVX-512 bf16 loop
+// where it runs (run_plain_bf16), by the AVX2 loop otherwise (run_avx2_plain).
 //
 // Why a kernel: at M = 1-64 a decode GEMM streams the whole weight once per step. oneDNN on a
 // weight packed for the row count read the Qwen3-0.6B projections at 0.73-0.78x of a plain fp32
@@ -199,6 +201,92 @@ void run_tiles(const TileFn<T>* tiles, const T* x, int64_t M, int64_t K, const T
       const int pfl = prefetch ? static_cast<int>((4 * s1) / M - (4 * s0) / M) : 0;
       tiles[mb](x + m0 * K, K, w + nb * block, kstep, bb, y + m0 * N + nb * kCols, N, pf, pfl, ahead);
       pf += pfl * kstep * 64;
+      m0 += mb;
+    }
+  });
+}
+
+// --- The AVX-512 bf16 loop on a weight as stored: bf16 products of many rows in the eager path ---
+// Past dot_linear's 64 rows the eager bf16 path on an AVX512-BF16 CPU without AMX called aten's
+// linear, which reorders the weight for oneDNN on every call: over the 0.6B projections it ran 360 /
+// 373 GFLOP/s at 128 / 512 rows where this loop on the packed copy ran 396 / 421 (Zen 4). The eager
+// path keeps no packed copy, so here each thread packs one 64-column block at a time into its own
+// buffer, in pack_rows's layout, and runs every tile of rows on it; the next block's weight rows
+// (one region where they are contiguous) are prefetched into L2 while a block computes, as
+// run_tiles does for the packed weight. Packing a block is a 16 x 16 transpose of 32-bit k pairs per
+// 16 rows and 16 pairs, about 3% of the tiles' work at 128 rows and a quarter at 16 (where
+// dot_linear stays ahead). Results are the packed call's, bit for bit.
+
+// 16 x 16 transpose of 32-bit values: r[i] holds row i on entry, column i on return.
+CANN_BF16_TARGET inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {  // rows 2i, 2i+1 interleaved by value
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {  // then by pairs: each 128-bit lane holds a 4 x 4 block, transposed
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {  // the 4 x 4 blocks moved between lanes, in two rounds
+    t[j] = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88);
+    t[4 + j] = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xdd);
+    t[8 + j] = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88);
+    t[12 + j] = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xdd);
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
+  }
+}
+
+// Pack 64 bf16 weight rows (`src`, rows `ldw` apart, K even) into one AVX-512 block, (K/2, 64, 2):
+// per k pair the 64 columns' two values, one 32-bit lane each.
+CANN_BF16_TARGET inline void pack_bf16_block64(const uint16_t* src, int64_t ldw, int64_t K, int32_t* dst) {
+  const int64_t K2 = K / 2;
+  int64_t kp = 0;
+  for (; kp + 16 <= K2; kp += 16)
+    for (int64_t r0 = 0; r0 < kCols; r0 += 16) {
+      __m512i r[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + (r0 + i) * ldw + 2 * kp);
+      transpose16(r);
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + (kp + i) * kCols + r0, r[i]);
+    }
+  for (; kp < K2; ++kp)
+    for (int64_t c = 0; c < kCols; ++c) std::memcpy(dst + kp * kCols + c, src + c * ldw + 2 * kp, 4);
+}
+
+// The bf16 tiles on a weight as stored, (N, K) with rows `ldw` apart, N a multiple of 64, K even.
+// The tiles of a block prefetch the next block's rows in the proportions run_tiles gives (4 lines
+// a k pair in all), and in the same order (larger_last).
+void run_plain_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t ldw, int64_t NB,
+                    const float* bias, uint16_t* y) {
+  if (M == 0) return;
+  const int64_t N = NB * kCols, K2 = K / 2, n_tiles = (M + kRows - 1) / kRows;
+  const int64_t base = M / n_tiles, extra = M % n_tiles;
+  const bool last = larger_last();
+  cann::leftovers_for(NB, [&](int64_t nb, bool next) {
+    thread_local std::vector<int32_t> buf;  // the block packed (kept for the thread: K/2 x 64 pairs)
+    if (static_cast<int64_t>(buf.size()) < K2 * kCols) buf.resize(K2 * kCols);
+    pack_bf16_block64(w + nb * kCols * ldw, ldw, K, buf.data());
+    const auto* packed = reinterpret_cast<const uint16_t*>(buf.data());
+    const bool prefetch = next && ldw == K;  // the next block's rows are one region
+    const char* pf = reinterpret_cast<const char*>(w + (nb + 1) * kCols * ldw);
+    const float* bb = bias ? bias + nb * kCols : nullptr;
+    for (int64_t t = 0, m0 = 0; t < n_tiles; ++t) {
+      const int64_t mb = base + (last ? t >= n_tiles - extra : t < extra);
+      const int64_t s0 = t * base + std::min(t, extra), s1 = s0 + base + (t < extra);
+      const int pfl = prefetch ? static_cast<int>((4 * s1) / M - (4 * s0) / M) : 0;
+      kBf16Tiles[mb](x + m0 * K, K, packed, K2, bb, y + m0 * N + nb * kCols, N, pf, pfl, 0);
+      pf += pfl * K2 * 64;
       m0 += mb;
     }
   });
@@ -531,8 +619,12 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
   TORCH_CHECK(x.scalar_type() == dtype, "rows_linear: x is ", x.scalar_type(), ", the packed weight ", dtype);
   const bool bf16 = dtype == at::kBFloat16;
   // The layout says which loop: (N/16, K, 16) the AVX2 one; (N/64, K/2, 64, 2) in bf16 or
-  // (N/64, K, 64) in fp32 the AVX-512 one.
-  const bool plain = packed.dim() == 2;
+  // (N/64, K, 64) in fp32 the AVX-512 one. A weight as stored, (N, K), runs the AVX-512 bf16 loop
+  // where this CPU has AVX512-BF16 and 64-column blocks of k pairs fit it (run_plain_bf16), the AVX2
+  // loop otherwise (run_avx2_plain).
+  const bool stored512 = packed.dim() == 2 && bf16 && packed.size(0) % kCols == 0 && packed.size(1) % 2 == 0 &&
+                         packed.stride(1) == 1 && rows_supported(dtype, kCols);
+  const bool plain = packed.dim() == 2 && !stored512;
   const bool avx2 = plain || (packed.dim() == 3 && packed.size(2) == kAvx2Cols);
   const int64_t cols = avx2 ? kAvx2Cols : kCols;
   if (plain) {
@@ -541,7 +633,8 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
   } else if (avx2) {
     TORCH_CHECK(packed.is_contiguous(), "rows_linear: the packed weight must be contiguous");
   } else if (bf16) {
-    TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kCols && packed.size(3) == 2 && packed.is_contiguous(),
+    TORCH_CHECK(stored512 ||
+                    (packed.dim() == 4 && packed.size(2) == kCols && packed.size(3) == 2 && packed.is_contiguous()),
                 "rows_linear: a bf16 weight must be packed as (N/64, K/2, 64, 2) or (N/16, K, 16)");
   } else {
     TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kCols && packed.is_contiguous(),
@@ -550,8 +643,9 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
   TORCH_CHECK(rows_supported(dtype, cols), "rows_linear: this CPU has no ",
               avx2 ? "AVX2 and FMA" : (bf16 ? "AVX512-BF16" : "AVX-512"), " for a weight packed in ", cols,
               "-column blocks");
-  const int64_t NB = plain ? packed.size(0) / kAvx2Cols : packed.size(0);
-  const int64_t K = plain ? packed.size(1) : (bf16 && !avx2 ? 2 * packed.size(1) : packed.size(1)), N = NB * cols;
+  const int64_t NB = plain ? packed.size(0) / kAvx2Cols : stored512 ? packed.size(0) / kCols : packed.size(0);
+  const int64_t K = plain || stored512 ? packed.size(1) : (bf16 && !avx2 ? 2 * packed.size(1) : packed.size(1));
+  const int64_t N = NB * cols;
   TORCH_CHECK(x.size(-1) == K, "rows_linear: x has ", x.size(-1), " columns, the weight ", K);
   const at::Tensor x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
@@ -559,7 +653,11 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& packed, const c10:
   at::Tensor y = cann::linear_output(x, N);
 #ifdef CANN_ROWS
   const float* bp = fbias.defined() ? fbias.data_ptr<float>() : nullptr;
-  if (avx2) {
+  if (stored512) {
+    run_plain_bf16(reinterpret_cast<const uint16_t*>(x2.data_ptr()), M, K,
+                   reinterpret_cast<const uint16_t*>(packed.data_ptr()), packed.stride(0), NB, bp,
+                   reinterpret_cast<uint16_t*>(y.data_ptr()));
+  } else if (avx2) {
     // x in fp32 and interleaved for the tiles once (M x K values, in cache; an fp32 row of one is
     // already that), the sums in fp32; a bf16 y gets each block's sums rounded as the block finishes (Avx2Out)
     std::vector<float> interleaved;
