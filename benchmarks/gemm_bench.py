@@ -2,7 +2,9 @@
 its AMX loop `cann_cpu::amx_linear`) vs oneDNN on packed weights (vs aten's linear where oneDNN
 cannot run the dtype natively: bf16 on an AVX2 CPU); and the eager path's kernels on the weights as
 stored (`cann_cpu::gemv` for 1-4 rows, `cann_cpu::dot_linear` for 3-64 (in bf16 on a CPU without AMX), its
-AVX-512 or its AVX2 loop) next to aten's linear (bf16) or oneDNN's (fp32) on the same weights.
+AVX-512 or its AVX2 loop) next to aten's linear (bf16) or oneDNN's (fp32) on the same weights; past
+dot_linear's rows, where the eager path gives them to the kernel on the weight as stored (packing each
+block as it goes: eager_linear.rows_run_plain), that pass next to aten's linear on the same weights.
 
 Why: a batched decode step is one pass over every projection with M = batch rows. This times that
 pass outside the model, on the projections of a named size as the loader merges them (qkv_proj,
@@ -16,6 +18,7 @@ GFLOP/s = 2 x M x parameters / pass time.
 
   python benchmarks/gemm_bench.py
   python benchmarks/gemm_bench.py --size qwen3-0.6b --dtype float32 --rows 1,4,16,64 --rounds 7
+  python benchmarks/gemm_bench.py --size qwen3-0.6b --dtype bfloat16 --rows 128,512 --rounds 5
 """
 
 from __future__ import annotations
@@ -67,6 +70,16 @@ def gemv_pass(xs: dict, weights: list[torch.Tensor], _packed: list[torch.Tensor]
 def dot_pass(xs: dict, weights: list[torch.Tensor], _packed: list[torch.Tensor]) -> None:
     for w in weights:
         torch.ops.cann_cpu.dot_linear(xs[w.shape[1]], w, None)
+
+
+def stored_kernel_pass(xs: dict, weights: list[torch.Tensor], _packed: list[torch.Tensor]) -> None:
+    """The eager path's products of many rows: the kernel on each weight as stored where it takes
+    it, aten's linear on the others."""
+    for w in weights:
+        if eager_linear.plain_fits(w):
+            torch.ops.cann_cpu.rows_linear(xs[w.shape[1]], w, None)
+        else:
+            torch.nn.functional.linear(xs[w.shape[1]], w)
 
 
 def stored_onednn_pass(xs: dict, weights: list[torch.Tensor], _packed: list[torch.Tensor]) -> None:
@@ -135,6 +148,10 @@ def main(argv=None) -> int:
                 aten_pass if dtype == torch.bfloat16 else stored_onednn_pass,
                 [],
             )
+        if rows > eager_linear.dot_max_rows(dtype) and eager_linear.rows_run_plain(dtype):
+            methods["kernel (stored)"] = (stored_kernel_pass, [])  # eager's many rows, packed as it goes
+            if dtype == torch.bfloat16 and packed_linear.supported(dtype):
+                methods["aten (stored)"] = (aten_pass, [])  # what the eager path ran them on before
         if packed_linear.supported(dtype):
             reordered = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
             methods["oneDNN packed"] = (onednn_pass, reordered)

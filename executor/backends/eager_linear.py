@@ -288,7 +288,7 @@ class LinearKernel:
             if DOT_MIN_ROWS <= rows <= dot_max_rows(weight.dtype) and weight.stride(1) == 1 and dot_runs(weight.dtype):
                 self.dot_calls += 1
                 return torch.ops.cann_cpu.dot_linear.default(x, weight, bias)
-            if _plain_fits(weight):
+            if plain_fits(weight):
                 if weight.dtype == torch.float32 and rows > PLAIN_MAX_ROWS_F32:
                     self.aten_calls += 1
                     return reference.linear(x, weight, bias)
@@ -301,7 +301,7 @@ class LinearKernel:
         return reference.linear(x, weight, bias)
 
 
-def _plain_fits(weight: torch.Tensor) -> bool:
+def plain_fits(weight: torch.Tensor) -> bool:
     """The rows kernel takes this weight as stored (rows_run_plain): contiguous rows, N a multiple of
     plain_cols, and K even for the AVX-512 bf16 loop (its k pairs)."""
     cols = plain_cols(weight.dtype)
