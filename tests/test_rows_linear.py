@@ -106,6 +106,8 @@ def test_every_block_runs_once_whatever_the_threads(dtype, cols, packed):
     own buffer: one scratch or buffer shared by the threads fails here."""
     if not loop_runs(dtype, cols):
         pytest.skip(f"this CPU does not run the {cols}-column loop")
+    if cols == 64 and not packed and dtype != torch.bfloat16:
+        pytest.skip("only bf16 has an AVX-512 loop on a weight as stored")
     before = torch.get_num_threads()
     torch.manual_seed(5)
     try:
