@@ -145,6 +145,25 @@ bool larger_last() {
   return last;
 }
 
+// Every tile of rows (M > 0) on one packed block `wb` (kstep steps), into y's block `yb` (row
+// stride N). With `prefetch`, the tiles share out the 4 lines a step of the region at `pf` (the next
+// block), as run_tiles (below) says.
+template <typename T>
+inline void block_tiles(const TileFn<T>* tiles, const T* x, int64_t M, int64_t K, const T* wb, int64_t kstep,
+                        const float* bias, T* yb, int64_t N, const char* pf, bool prefetch, int64_t ahead) {
+  const int64_t n_tiles = (M + kRows - 1) / kRows, base = M / n_tiles, extra = M % n_tiles;  // `extra`: a row more
+  const bool last = larger_last();
+  for (int64_t t = 0, m0 = 0; t < n_tiles; ++t) {
+    const int64_t mb = base + (last ? t >= n_tiles - extra : t < extra);
+    // tile t's share of the next block: as the larger-first split gives position t its rows
+    const int64_t s0 = t * base + std::min(t, extra), s1 = s0 + base + (t < extra);
+    const int pfl = prefetch ? static_cast<int>((4 * s1) / M - (4 * s0) / M) : 0;
+    tiles[mb](x + m0 * K, K, wb, kstep, bias, yb + m0 * N, N, pf, pfl, ahead);
+    pf += pfl * kstep * 64;
+    m0 += mb;
+  }
+}
+
 // Every 64-column block (in parallel, leftovers_for) times every tile of rows. `kstep` is the packed
 // weight's k extent per block (K/2 pairs in bf16, K in fp32), 256 bytes (4 cache lines) per step.
 //
@@ -187,22 +206,11 @@ void run_tiles(const TileFn<T>* tiles, const T* x, int64_t M, int64_t K, const T
                const float* bias, T* y) {
   if (M == 0) return;
   const int64_t N = NB * kCols, block = K * kCols, n_tiles = (M + kRows - 1) / kRows;
-  const int64_t base = M / n_tiles, extra = M % n_tiles;  // `extra` tiles take one row more
-  const bool last = larger_last();
   const int64_t ahead = n_tiles == 1 && std::is_same_v<T, float> ? own_ahead() : 0;
   cann::leftovers_for(NB, [&](int64_t nb, bool next) {
-    const float* bb = bias ? bias + nb * kCols : nullptr;
-    const bool prefetch = n_tiles > 1 && next;  // next: block nb + 1 exists and is this thread's
-    const char* pf = reinterpret_cast<const char*>(w + (nb + 1) * block);
-    for (int64_t t = 0, m0 = 0; t < n_tiles; ++t) {
-      const int64_t mb = base + (last ? t >= n_tiles - extra : t < extra);
-      // tile t's share of the next block: as the larger-first split gives position t its rows
-      const int64_t s0 = t * base + std::min(t, extra), s1 = s0 + base + (t < extra);
-      const int pfl = prefetch ? static_cast<int>((4 * s1) / M - (4 * s0) / M) : 0;
-      tiles[mb](x + m0 * K, K, w + nb * block, kstep, bb, y + m0 * N + nb * kCols, N, pf, pfl, ahead);
-      pf += pfl * kstep * 64;
-      m0 += mb;
-    }
+    // next: block nb + 1 exists and is this thread's
+    block_tiles(tiles, x, M, K, w + nb * block, kstep, bias ? bias + nb * kCols : nullptr, y + nb * kCols, N,
+                reinterpret_cast<const char*>(w + (nb + 1) * block), n_tiles > 1 && next, ahead);
   });
 }
 
@@ -265,30 +273,19 @@ CANN_BF16_TARGET inline void pack_bf16_block64(const uint16_t* src, int64_t ldw,
 }
 
 // The bf16 tiles on a weight as stored, (N, K) with rows `ldw` apart, N a multiple of 64, K even.
-// The tiles of a block prefetch the next block's rows in the proportions run_tiles gives (4 lines
-// a k pair in all), and in the same order (larger_last).
+// The tiles of a block prefetch the next block's rows as run_tiles's prefetch the next packed block.
 void run_plain_bf16(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t ldw, int64_t NB,
                     const float* bias, uint16_t* y) {
   if (M == 0) return;
-  const int64_t N = NB * kCols, K2 = K / 2, n_tiles = (M + kRows - 1) / kRows;
-  const int64_t base = M / n_tiles, extra = M % n_tiles;
-  const bool last = larger_last();
+  const int64_t N = NB * kCols, K2 = K / 2;
   cann::leftovers_for(NB, [&](int64_t nb, bool next) {
     thread_local std::vector<int32_t> buf;  // the block packed (kept for the thread: K/2 x 64 pairs)
     if (static_cast<int64_t>(buf.size()) < K2 * kCols) buf.resize(K2 * kCols);
     pack_bf16_block64(w + nb * kCols * ldw, ldw, K, buf.data());
-    const auto* packed = reinterpret_cast<const uint16_t*>(buf.data());
-    const bool prefetch = next && ldw == K;  // the next block's rows are one region
-    const char* pf = reinterpret_cast<const char*>(w + (nb + 1) * kCols * ldw);
-    const float* bb = bias ? bias + nb * kCols : nullptr;
-    for (int64_t t = 0, m0 = 0; t < n_tiles; ++t) {
-      const int64_t mb = base + (last ? t >= n_tiles - extra : t < extra);
-      const int64_t s0 = t * base + std::min(t, extra), s1 = s0 + base + (t < extra);
-      const int pfl = prefetch ? static_cast<int>((4 * s1) / M - (4 * s0) / M) : 0;
-      kBf16Tiles[mb](x + m0 * K, K, packed, K2, bb, y + m0 * N + nb * kCols, N, pf, pfl, 0);
-      pf += pfl * K2 * 64;
-      m0 += mb;
-    }
+    // the next block's rows, where they are one region: as many lines a k pair as a packed block's
+    block_tiles(kBf16Tiles, x, M, K, reinterpret_cast<const uint16_t*>(buf.data()), K2,
+                bias ? bias + nb * kCols : nullptr, y + nb * kCols, N,
+                reinterpret_cast<const char*>(w + (nb + 1) * kCols * ldw), next && ldw == K, int64_t{0});
   });
 }
 
