@@ -224,7 +224,7 @@ def test_left_out_custom_ops_are_chosen_by_the_cache_length_and_a_list_is_the_us
 
 def test_the_cache_length_that_pays_scales_with_head_dim():
     """The threshold counts a kv head's cached values: heads a quarter as wide need four times the
-    slots (at 128 slots the op cost a compiled step with heads of 32 time and saved some with heads of 128)."""
+    slots (at 128 slots the op slowed a compiled step with heads of 32 and sped up one with heads of 128)."""
     op = custom_ops.load("decode_attention")
     assert op.auto_min_slots(32) == 4 * op.auto_min_slots(128) and op.auto_min_slots(64) == 2 * op.auto_min_slots(128)
     assert op.auto_min_slots(96) * 96 >= op.auto_min_kv_values > (op.auto_min_slots(96) - 1) * 96  # rounded up

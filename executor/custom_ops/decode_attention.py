@@ -60,8 +60,8 @@ OP = CustomOp(
     summary="decode attention over the valid KV-cache slots only (cost follows the position, not max_len)",
     # Chosen by default on CPU once a kv head's cache holds this many values (slots x head_dim): 128
     # slots at head_dim 128 (Qwen2.5-1.5B and up, Qwen3), 256 at 64 (the built-in model), 512 at 32
-    # (the debugmodel and bench-overhead sizes). Below it the op's fixed cost (~10 us a call) and its extern call, which
-    # splits the layer's fused kernel, cost more than the skipped slots save. Speed-up of the
+    # (the debugmodel and bench-overhead sizes). Below it the op's fixed cost (~10 us a call) and
+    # its extern call, which splits the layer's fused kernel, cost more than the skipped slots save. Speed-up of the
     # 0.6B-shape (head_dim 128) step with the op, nearly full cache, paired rounds (AVX-512 host;
     # BENCHMARKS.md, "sixty-seventh pass"): at 128 slots 0.99-1.04x fp32 batch 1, 16 and 64, 1.05x
     # bf16 batch 4; at 64 slots 0.97-1.06x. At head_dim 64 (Qwen2.5-0.5B's shape) and 256 slots
