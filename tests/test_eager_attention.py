@@ -1,6 +1,6 @@
 """The causal attention of the eager prefill on CPU runs cann_cpu::causal_attention
 (executor.backends.eager_attention, csrc/causal_attention.cpp): its bf16 loop on AVX512-BF16, its
-fp32 loop on AVX2 (taken on a CPU without AVX-512).
+fp32 loop on AVX2 (both taken on a CPU without AMX).
 
 The kernel is checked against fp64 attention (what it computes, at higher precision) with SDPA's
 own error in the same dtype on the same inputs as the yardstick; the runner's prefill against
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import tests.checkpoints as ckpt
 from executor.backends import eager_attention
 from executor.backends.eager_attention import AttentionKernel, qualifies
-from executor.custom_ops._build import cpu_has_avx512
+from executor.custom_ops._build import cpu_has_amx
 from executor.ops import reference as ops_reference
 from tests.no_compiler import run_without_compiler
 from tests.test_qwen_dense import PROMPT, assert_close_logits, hf_logits
@@ -149,14 +149,14 @@ def test_bf16_prefill_runs_the_kernel_and_matches_hf(kernel, wide_heads_ckpt, ma
     assert F.cosine_similarity(got, want, dim=0) > 0.99
 
 
-def test_fp32_prefill_takes_the_kernel_on_a_cpu_without_avx512_and_matches_hf(wide_heads_ckpt, make_qwen_runner):
-    """The fp32 loop where it is taken (a CPU with AVX2 but no AVX-512), SDPA elsewhere; either way
-    the prefill's logits and the greedy tokens are transformers'."""
+def test_fp32_prefill_takes_the_kernel_on_a_cpu_without_amx_and_matches_hf(wide_heads_ckpt, make_qwen_runner):
+    """The fp32 loop where it is taken (a CPU with AVX2 and no AMX), SDPA elsewhere; either way the
+    prefill's logits and the greedy tokens are transformers'."""
     runner, ref = make_qwen_runner(wide_heads_ckpt), ckpt.load_reference(wide_heads_ckpt)
     prompt = [(7 * i) % 90 + 3 for i in range(28)]  # past one 16-key tile, a part of the next
     gen = runner.generate([prompt], 4)
     taken = eager_attention.takes_prefill(torch.float32)
-    assert taken == (not cpu_has_avx512(torch.float32) and eager_attention.kernel_runs(torch.float32))
+    assert taken == (not cpu_has_amx() and eager_attention.kernel_runs(torch.float32))
     assert runner.prefill_kernels.to_metrics()["prefill_attention"] == {
         "kernel": eager_attention.KERNEL if taken else "sdpa",
         "kernel_calls": 2 * taken,

@@ -8,16 +8,18 @@ faster at 128 and 512 tokens too (BENCHMARKS.md, "twelfth pass"): it packs each 
 AVX512-BF16's dot product, computes all the query heads of a group against each packed block, and
 never computes the blocks above the diagonal.
 
-Why fp32 too, on a CPU without AVX-512 (the kernel's AVX2 loop, 6 x 16 tiles as in rows_linear's):
-there SDPA ran the fp32 2048-token layer at ~127 GFLOP/s where the same CPU's fp32 GEMMs run
-~180, 26% of the fp32 prefill (BENCHMARKS.md, "sixty-second pass"). On an AVX-512 CPU fp32 stays
-with SDPA (not measured there).
+Why fp32 too (the kernel's AVX2 loop, 6 x 16 tiles as in rows_linear's): on an AVX2-only CPU (Zen 3)
+SDPA ran the fp32 2048-token layer at ~127 GFLOP/s where the same CPU's fp32 GEMMs run ~180, 26%
+of the fp32 prefill (BENCHMARKS.md, "sixty-second pass"). On an AVX-512 CPU (Zen 4) the same loop
+ran one 0.6B layer in 0.71x / 0.54x / 0.79x SDPA's time at 128 / 512 / 2048 tokens, and the fp32
+prefill took 0.92x / 0.93x the time at 512 / 2048 (level at 128; "sixty-ninth pass"). A CPU with
+AMX keeps SDPA in fp32 too: not measured there, and SDPA won there in bf16.
 
 Only the plain causal case goes through here: `AttentionKernel.attention`, installed over the op
 table's reference attention around the runner's eager prefill (executor.backends.eager_kernels),
 takes a prefill from slot 0 (the mask the reference passes to SDPA as `is_causal`) on CPU in bf16
 with whole 64-wide heads, or in fp32 with whole 16-wide ones. Every other call (another mask, a
-head_dim the kernel does not tile, a CPU without the dtype's loop, fp32 on an AVX-512 CPU) is the
+head_dim the kernel does not tile, a CPU without the dtype's loop, a CPU with AMX) is the
 reference's, SDPA as before. The kernel is built on the
 first call that qualifies, like a custom op's; where it cannot be built one line says so and
 SDPA runs the calls. metrics.json records which kernel ran (`prefill_attention`).
@@ -61,14 +63,12 @@ def kernel_runs(dtype: torch.dtype = torch.bfloat16) -> bool:
 
 @functools.cache
 def takes_prefill(dtype: torch.dtype = torch.bfloat16) -> bool:
-    """The eager prefill's causal attention in `dtype` goes to the kernel where it runs: in bf16 on
-    a CPU without AMX, in fp32 on one without AVX-512. On the one AMX host measured (an Intel Xeon)
-    SDPA's CPU flash attention ran the bf16 2048-token 0.6B prefill in 1769 ms against 3744 with
-    the kernel (BENCHMARKS.md, "twenty-fifth pass"; likely its blocks on AMX tiles through oneDNN's
-    brgemm, not profiled)."""
-    if dtype == torch.float32:
-        return not cpu_has_avx512(dtype) and kernel_runs(dtype)
-    return dtype == torch.bfloat16 and not cpu_has_amx() and kernel_runs(dtype)
+    """The eager prefill's causal attention in `dtype` (bf16 or fp32) goes to the kernel where it
+    runs, on a CPU without AMX. On the one AMX host measured (an Intel Xeon) SDPA's CPU flash
+    attention ran the bf16 2048-token 0.6B prefill in 1769 ms against 3744 with the kernel
+    (BENCHMARKS.md, "twenty-fifth pass"; likely its blocks on AMX tiles through oneDNN's brgemm, not
+    profiled); fp32 was not measured there and stays with SDPA as well."""
+    return dtype in HEAD_DIM_MULTIPLE and not cpu_has_amx() and kernel_runs(dtype)
 
 
 def qualifies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

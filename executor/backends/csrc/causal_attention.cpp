@@ -178,8 +178,9 @@ struct Bf16Loop {
 #undef CANN_TARGET
 
 // --- fp32, AVX2 + FMA (16 ymm registers): 16-column blocks ---
-// For a CPU without AVX-512, where PyTorch's flash attention ran the fp32 2048-token 0.6B layer at
-// ~127 GFLOP/s against ~180 for the rows kernel's GEMMs (BENCHMARKS.md, "sixty-second pass"). A tile
+// For fp32 on a CPU without AMX: on an AVX2-only one PyTorch's flash attention ran the fp32 2048-token
+// 0.6B layer at ~127 GFLOP/s against ~180 for the rows kernel's GEMMs (BENCHMARKS.md, "sixty-second
+// pass"); on Zen 4 (AVX-512) this loop ran the layer in 0.54-0.79x SDPA's time ("sixty-ninth pass"). A tile
 // is up to 6 rows x 16 columns, 12 fp32 accumulators, 2 operand registers and one broadcast, as in
 // rows_linear.cpp's AVX2 loop; K is packed (T/16, D, 16), V (D/16, T, 16).
 #define CANN_AVX2 __attribute__((target("avx2,fma")))
