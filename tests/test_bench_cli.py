@@ -150,4 +150,5 @@ def test_attention_bench_stream_reads_every_layers_cache_in_both_dtypes(capsys):
     assert set(table) == {"float32", "bfloat16"}
     for dtype, (mb, ms, gbs, share) in table.items():
         assert mb == pytest.approx(kv_mb[dtype], abs=0.05) and ms > 0 and share > 0
-        assert gbs == pytest.approx(mb / ms, rel=0.02)  # MB / ms = GB/s
+        # MB / ms = GB/s, printed to 0.1: on a busy host (~1 GB/s) that rounding alone is ~5%
+        assert gbs == pytest.approx(mb / ms, rel=0.02, abs=0.051)
