@@ -222,8 +222,9 @@ void run_tiles(const TileFn<T>* tiles, const T* x, int64_t M, int64_t K, const T
 // buffer, in pack_rows's layout, and runs every tile of rows on it; the next block's weight rows
 // (one region where they are contiguous) are prefetched into L2 while a block computes, as
 // run_tiles does for the packed weight. Packing a block is a 16 x 16 transpose of 32-bit k pairs per
-// 16 rows and 16 pairs, about 3% of the tiles' work at 128 rows and a quarter at 16 (where
-// dot_linear stays ahead). Results are the packed call's, bit for bit.
+// 16 rows and 16 pairs: over the 0.6B layers the loop took 1.078x / 1.029x the packed call's time at
+// 128 / 512 rows (Zen 4; BENCHMARKS.md, "sixty-ninth pass"), more with fewer rows (where dot_linear
+// stays ahead). Results are the packed call's, bit for bit.
 
 // 16 x 16 transpose of 32-bit values: r[i] holds row i on entry, column i on return.
 CANN_BF16_TARGET inline void transpose16(__m512i r[16]) {
