@@ -46,7 +46,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cli import guarded, int_list, name_list, paired  # noqa: E402
+from benchmarks.cli import guarded, int_list, name_list, paired, write_json  # noqa: E402
 from executor import custom_ops  # noqa: E402
 from executor.arch import named_size  # noqa: E402
 from executor.config import load_config  # noqa: E402
@@ -192,12 +192,15 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--batch", type=int, default=1, help="decode rows of the step table (default: 1)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="run dtype of the step table")
+    p.add_argument("--json", help="also write the step table as JSON here (benchmarks/targets.py)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     lengths = args.lengths
     if unknown := [m for m in args.modes if m not in MODES]:
         p.error(f"--modes: unknown {unknown}; known: {', '.join(MODES)}")
+    if args.json and not args.modes:
+        p.error("--json records the step table: name its --modes")
     if any(t <= args.position for t in lengths):
         p.error(f"--position {args.position} must be below every cache length {lengths}")
     default_config(args.model)  # an unknown recipe or size: refused before the op table's minutes
@@ -247,17 +250,23 @@ def main(argv=None) -> int:
         "| cosine |"
     )
     print("|---|---|---|---|---|---|---|---|")
+    steps = []
     for (mode, custom, t), (ms, logits, _kv, _arch) in results.items():
         plain = results[(mode, False, t)]
         ratio = ms / results[(mode, custom, lengths[0])][0]
         cos = torch.nn.functional.cosine_similarity(logits.flatten().double(), plain[1].flatten().double(), dim=0)
         cos = cos.item()  # in fp64: a bf16 cosine of a row with itself reads 0.99995, an fp32 one over 1
         label = {"decoder": "ge_graph + SK decoder"}.get(mode, mode)
+        steps.append(
+            {"mode": mode, "custom_ops": custom, "max_len": t, "ms": ms, "max_len_ratio": ratio, "cosine": cos}
+        )
         print(
             f"| {label} | {'[decode_attention]' if custom else '-'} | {t} | {ms:.3f} | "
             f"{plain[0] / ms:.2f}x | {paired(timed[(mode, False, t)], timed[(mode, custom, t)])} | {ratio:.2f}x "
             f"| {cos:.6f} |"
         )
+    record = {"bench": "attention_bench", "model": args.model, "size": args.size, "dtype": args.dtype}
+    write_json(args.json, record | {"batch": args.batch, "position": args.position, "steps": steps})
     width = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
     valid = 2 * arch.num_layers * args.batch * arch.num_kv_heads * (args.position + 1) * arch.head_dim * width
     print(

@@ -1,4 +1,5 @@
-"""Argument types shared by the benchmarks' command lines, and the paired ratio of their tables.
+"""Argument types shared by the benchmarks' command lines, the paired ratio of their tables, and
+their --json records.
 
 Why: a comma list parsed after argparse (`[int(x) for x in text.split(",")]`) turned a typo such
 as `--batch 1,x` into a ValueError traceback. As an argparse type, a bad value is argparse's own
@@ -9,9 +10,12 @@ load bench's parent process parses with it and must stay free of torch and execu
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 
 def int_list(text: str) -> list[int]:
@@ -75,5 +79,23 @@ def paired(base: list[float], other: list[float]) -> str:
     """base / other within each round: "median (min-max)". Why within a round: the VM's speed
     drifts by 1.5x or more within minutes, and a round's two timings share its speed; a ratio of
     the two overall medians would carry the drift (BENCHMARKS.md, "twenty-third pass")."""
-    ratios = sorted(b / o for b, o in zip(base, other, strict=True))
+    ratios = round_ratios(base, other)
     return f"{statistics.median(ratios):.3f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+
+
+def round_ratios(base: list[float], other: list[float]) -> list[float]:
+    """base / other within each round, sorted (paired's numbers, for --json records)."""
+    return sorted(b / o for b, o in zip(base, other, strict=True))
+
+
+def write_json(path: str | None, record: dict) -> None:
+    """A benchmark's --json record, written whole (a temporary file renamed over the old one), so a
+    reader such as benchmarks/targets.py never sees half a file. Called after each table, not once at
+    the end: a run stopped an hour in keeps what it measured. None: no --json asked, nothing written."""
+    if not path:
+        return
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, target)

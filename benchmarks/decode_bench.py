@@ -68,7 +68,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cli import guarded, int_list, paired  # noqa: E402
+from benchmarks.cli import guarded, int_list, paired, round_ratios, write_json  # noqa: E402
 from executor.arch import ModelArch, arch_from_dict, named_size  # noqa: E402
 from executor.backends import eager_linear, packed_linear  # noqa: E402
 from executor.config import load_config  # noqa: E402
@@ -437,6 +437,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where every side runs (default cpu)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--plot", help="PNG: tokens/s per batch and mode, and each mode's x roofline")
+    p.add_argument("--json", help="also write every table as JSON here, after each batch (benchmarks/targets.py)")
     p.add_argument("--world-size", type=int, default=1, help="ranks (torchrun); > 1 skips the transformers peers")
     p.add_argument("--layout", choices=list(LAYOUTS), default="tp", help="with --world-size > 1 (default: tp)")
     p.add_argument("--checkpoint", help=argparse.SUPPRESS)  # set by the launching process for its ranks
@@ -451,6 +452,8 @@ def main(argv=None) -> int:
         p.error("--steps >= 2 and --max-len >= --prompt-len + --steps + 1")
     if args.rounds is not None and args.rounds < 1:
         p.error(f"--rounds: expected a positive integer, got {args.rounds}")
+    if args.json and args.world_size > 1:
+        p.error("--json: the tables of one rank only (--world-size 1)")
     if args.device != "cpu" and args.world_size > 1:
         p.error("--device cuda measures one device: use --world-size 1")
     if args.threads:
@@ -485,6 +488,8 @@ def main(argv=None) -> int:
     )
     probe = Probe(platform, dtype)
     ours = partial(our_decode, platform=platform, probe=probe)
+    record = {"bench": "decode_bench", "model": args.model, "size": args.size, "dtype": args.dtype}
+    record |= {"platform": platform.describe(), "read_gbs": read_bw, "tflops": tflops, "batches": []}
     summary: dict[int, tuple[list[Row], float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "ckpt"
@@ -513,6 +518,8 @@ def main(argv=None) -> int:
                 r.roof_ms = r.roofline_ms(nbytes, flops, read_bw, tflops)
             summary[batch] = (rows, roof_ms)
             print_table(rows, batch)
+            record["batches"].append({"batch": batch, "roof_ms": roof_ms, "rows": [row_record(r, rows) for r in rows]})
+            write_json(args.json, record)
             print(
                 f"\nroofline, batch {batch}: {nbytes / 1e6:.1f} MB read per step ({args.dtype} weights + valid KV) / "
                 f"{read_bw:.1f} GB/s = {bw_ms:.3f} ms; {flops / 1e9:.2f} GFLOP / {tflops:.2f} TFLOP/s = "
@@ -628,6 +635,22 @@ def vs_graph(r: Row, graph: Row) -> str:
     if r.round_ms and graph.round_ms:
         return paired(list(graph.round_ms), list(r.round_ms)).replace(" (", "x (", 1)
     return f"{graph.ms / r.ms:.2f}x"
+
+
+def row_record(r: Row, rows: list[Row]) -> dict:
+    """One table row for --json: the numbers print_table formats (ratios as "the other's ms over
+    this row's", so above 1 is this row faster)."""
+    graph = next(g for g in rows if g.name == "ours ge_graph")
+    if r.round_ms and graph.round_ms:  # as vs_graph: per round where the two took turns
+        vs_graph = statistics.median(round_ratios(list(graph.round_ms), list(r.round_ms)))
+    else:
+        vs_graph = graph.ms / r.ms
+    return {
+        "name": r.name, "ms": r.ms, "x_roofline": r.ms / r.roof_ms, "unsteady": r.unsteady(),
+        "vs_ge_graph": vs_graph,
+        "vs_peers": {p.name: p.ms / r.ms for p in rows if p.name.startswith("transformers")},
+        "compile_s": r.compile_s, "tokens": token_check(r.tokens, rows[0].tokens),
+    }  # fmt: skip
 
 
 def print_table(rows: list[Row], batch: int) -> None:

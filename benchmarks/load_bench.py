@@ -182,6 +182,7 @@ def main(argv=None) -> int:
     p.add_argument("--policies", default="gomp default,passive", help=f"comma list of: {', '.join(POLICIES)}")
     p.add_argument("--governor", default="off,on", help="the runner's thread governor: off, on or both")
     p.add_argument("--neighbour-threads", type=int, default=os.cpu_count(), help="the neighbour's torch threads")
+    p.add_argument("--json", help="also write the table as JSON here (benchmarks/targets.py)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
     p.add_argument("--cache", help=argparse.SUPPRESS)
@@ -235,8 +236,15 @@ def main(argv=None) -> int:
                 f"{ld['median'] / i['median']:.1f}x | {_fewer(i, ld, args.steps * args.rounds)} | "
                 f"{i['tokens']} / {ld['tokens']} |"
             )
+    cells = [
+        {"policy": name, "governor": gov, "mode": m, "idle_ms": r[f"{m}/idle"]["median"],
+         "loaded_ms": r[f"{m}/loaded"]["median"]}
+        for name, gov, r in rows for m in modes
+    ]  # fmt: skip
+    record = {"bench": "load_bench", "size": args.size, "dtype": args.dtype, "batch": args.batch, "rows": cells}
     if "ge_graph" in modes and "decoder" in modes:
         print()
+        record["sk_over_ge_graph"] = []
         for name, gov, r in rows:
             per_round = sorted(
                 d / g for d, g in zip(r["decoder/loaded"]["round_medians"], r["ge_graph/loaded"]["round_medians"])
@@ -245,6 +253,11 @@ def main(argv=None) -> int:
                 f"{name}, governor {gov}: under load SK decoder / ge_graph = {statistics.median(per_round):.2f} "
                 f"(< 1: SK faster; median of {len(per_round)} rounds, {per_round[0]:.2f}-{per_round[-1]:.2f})"
             )
+            record["sk_over_ge_graph"].append({"policy": name, "governor": gov, "median": statistics.median(per_round)})
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.cli import write_json  # torch-free, as this process must stay
+
+    write_json(args.json, record)
     return 0
 
 

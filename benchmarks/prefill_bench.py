@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cli import guarded, int_list  # noqa: E402
+from benchmarks.cli import guarded, int_list, write_json  # noqa: E402
 from benchmarks.decode_bench import DTYPES, make_checkpoint, matmul_tflops, memory_bandwidth_gbs  # noqa: E402
 from executor.arch import ModelArch, arch_from_dict, named_size  # noqa: E402
 from executor.config import load_config  # noqa: E402
@@ -103,6 +103,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--plot", help="PNG of TTFT per prompt length, with the roofline")
+    p.add_argument("--json", help="also write the table as JSON here, after each length (benchmarks/targets.py)")
     args = p.parse_args(argv)
     lengths = args.lengths
     if args.repeats < 1:
@@ -125,6 +126,8 @@ def main(argv=None) -> int:
         flush=True,
     )
     rows = []
+    record = {"bench": "prefill_bench", "model": args.model, "size": args.size, "dtype": args.dtype}
+    record |= {"platform": platform.describe(), "read_gbs": read_bw, "tflops": tflops}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "ckpt"
         make_checkpoint(cfg, path, seed=0)
@@ -142,11 +145,18 @@ def main(argv=None) -> int:
                 result[name] = (statistics.median(ms for ms, _ in timed), timed[0][1])
                 print(f"  {n} tokens: {name} {result[name][0]:.1f} ms", flush=True)
             rows.append((n, roof, flops, result))
+            write_json(args.json, record | {"rows": [length_record(*row) for row in rows]})
     print_table(rows, tflops)
     if args.plot:
         plot(Path(args.plot), rows, f"{args.size}, {args.dtype}, batch 1, {platform.describe()}")
         print(f"plot: {args.plot}")
     return 0
+
+
+def length_record(tokens: int, roof: float, flops: float, result: dict) -> dict:
+    """One prompt length for --json: each side's TTFT ms and first token, and the roofline."""
+    sides = {name: {"ms": ms, "first_token": tok} for name, (ms, tok) in result.items()}
+    return {"tokens": tokens, "roof_ms": roof, "gflop": flops / 1e9, "sides": sides}
 
 
 def print_table(rows: list, tflops: float) -> None:

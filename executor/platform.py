@@ -197,6 +197,29 @@ def cpu_family() -> tuple[str, int] | None:
     return (vendor, int(family)) if vendor and family and family.isdigit() else None
 
 
+def cpu_kind() -> str:
+    """This CPU as the benchmarks' by-kind table names it: model name, vendor family and model, the
+    vector units the kernels choose by, and the cores torch uses. Why: on this project's CPUs one
+    kind's numbers did not carry to another (a lowering faster on Zen 3 was slower on Zen 4, AMX
+    hosts took other loops; BENCHMARKS.md, "Issue 13: where each target stands, by CPU kind"), so a
+    recorded number has to say which kind it came from."""
+    import torch
+
+    family, model = _cpuinfo("cpu family"), _cpuinfo("model")
+    where = f"{_cpuinfo('vendor_id')} family {family} model {model}" if family and model else "family unknown"
+    units = [
+        name
+        for name, has in (
+            ("AVX2", torch.cpu._is_avx2_supported()),
+            ("AVX-512", torch.cpu._is_avx512_supported()),
+            ("AVX512-BF16", torch.cpu._is_avx512_bf16_supported()),
+            ("AMX", torch.cpu._is_amx_tile_supported()),
+        )
+        if has
+    ]
+    return f"{_cpu_name()} ({where}; {', '.join(units) or 'no AVX2'}; {torch.get_num_threads()} threads)"
+
+
 def cpu_runs_bf16() -> bool:
     """This CPU multiplies bf16 natively (AVX512-BF16 or AMX on x86). Without it aten's bf16 matmuls
     convert on the fly: on an AVX2-only host the 0.6B batch-4 bf16 decode step took 1.7x the fp32

@@ -6,6 +6,7 @@ One small real load_bench run checks what its table says of the tokens.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -77,11 +78,12 @@ def test_load_bench_says_what_its_measured_process_refused(argv, said):
     assert "Traceback" not in proc.stderr and "the measured process exited with 2" in proc.stderr
 
 
-def test_load_bench_says_whether_each_rows_tokens_are_ours_eagers():
+def test_load_bench_says_whether_each_rows_tokens_are_ours_eagers(tmp_path):
     """A small real run (the debugmodel size, ge_graph alone, 3 steps, one round, a 1-thread
     neighbour): the reference is an eager runner built for it, and the row names how the tokens of
-    its idle and its loaded calls compare."""
+    its idle and its loaded calls compare. Its --json record has the row's two medians."""
     argv = ["--size", "debugmodel", "--modes", "ge_graph", "--steps", "3", "--rounds", "1"]
+    argv += ["--json", str(tmp_path / "l.json")]
     argv += ["--policies", "gomp default", "--governor", "on", "--neighbour-threads", "1"]
     proc = subprocess.run(
         [sys.executable, "benchmarks/load_bench.py", *argv], cwd=REPO, capture_output=True, text=True, timeout=600
@@ -95,6 +97,9 @@ def test_load_bench_says_whether_each_rows_tokens_are_ours_eagers():
     # progress while it builds and times (minutes per mode at the 0.6B shape), on stderr, in order
     said = [line.strip().split(" in ")[0] for line in proc.stderr.splitlines() if line.startswith("    ")]
     assert said == ["built eager", "built ge_graph", "timing ge_graph idle: 1 round", "timing ge_graph loaded: 1 round"]
+    record = json.loads((tmp_path / "l.json").read_text())
+    assert [(r["policy"], r["governor"], r["mode"]) for r in record["rows"]] == [("gomp default", "on", "ge_graph")]
+    assert record["rows"][0]["idle_ms"] > 0 and record["rows"][0]["loaded_ms"] > 0
 
 
 SIZED = (decode_bench, prefill_bench, attention_bench, step_profile)

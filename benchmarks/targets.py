@@ -1,0 +1,373 @@
+"""Issue 13's performance targets on this machine, in one command: runs the benchmarks that measure
+them, judges every cell against its limit, and writes the scorecard.
+
+Why: the targets are read by five benchmarks with a dozen flag sets between them, and each CPU kind
+reads them differently (BENCHMARKS.md, "Issue 13: where each target stands, by CPU kind", compiled
+by hand from seventy passes). Whoever gets a kind that table leaves open (Zen 5, an Intel host with
+AMX, Ice Lake, a GPU) runs this and gets that kind's column, with the commands that made it.
+
+The targets and what is judged (limits from issue 13):
+  1  decode at batch 1, ge_graph and SK decoder: bf16 within 1.2x its roofline, fp32 within 1.1x
+  2  decode at --batches, every mode (eager included: it runs on the weights as stored): within 1.3x
+  3  decode attention at 16k against 2k KV-cache slots, same position, with the custom op: within 1.1x
+  4  prefill at 128 / 512 / 2048 tokens: within 1.5x its compute roofline and faster than transformers eager
+  5  MoE eager at the 30B-A3B shape (one layer): at least as fast as transformers eager
+  6  under a neighbour's OpenMP matmuls: every mode within 4x its idle step, SK decoder not slower than ge_graph
+  7  the compiled peer (transformers, static cache + torch.compile): each mode's ratio to it, reported
+Each benchmark runs in its own process (a crash or an out-of-memory loses one run, not the card),
+one after the other: run it on an idle machine, since the benchmarks compare against rates they
+measure as they go. The card is rewritten after every run, so a run stopped midway keeps the cells
+it has. A `?` marks a reading whose bandwidth or matmul rate moved by more than 15% while it ran
+(the machine changed speed; the verdict is printed, but it is weak).
+
+  python benchmarks/targets.py                          # every target: about an hour on 2 cores
+  python benchmarks/targets.py --targets 1,2 --dtypes bfloat16
+  python benchmarks/targets.py --quick                  # minutes: fewer steps, rounds, lengths; a look
+  python benchmarks/targets.py --device cuda --targets 1,2,4,7
+
+Writes into --out: targets.md (the card), targets.json (its cells), and each run's JSON and log.
+Exit status: 0 when every run finished (whatever the verdicts), 1 when one failed, 2 on bad
+arguments, 130 when stopped by Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.cli import guarded, int_list, name_list, write_json  # noqa: E402
+
+TARGETS = range(1, 8)
+GRAPH_MODES = ("ours ge_graph", "ours ge_graph + SK decoder")
+DECODE_LIMIT = {"bfloat16": 1.2, "float32": 1.1}  # target 1
+BATCH_LIMIT, KV_LIMIT, PREFILL_LIMIT, LOAD_LIMIT = 1.3, 1.1, 1.5, 4.0  # targets 2, 3, 4, 6
+HF_EAGER, HF_COMPILED = "transformers eager generate", "transformers static cache + torch.compile"
+
+
+@dataclass
+class Run:
+    """One benchmark process: the targets it reads, its script and arguments (without --json), and
+    which of JUDGES reads its record."""
+
+    name: str
+    targets: tuple[int, ...]
+    script: str
+    argv: list[str]
+    reads: str
+    minutes: float  # about how long it took on the reference VM (2 cores), for the progress line
+    rc: int | None = None
+    seconds: float | None = None
+
+    @property
+    def command(self) -> str:
+        return f"python benchmarks/{self.script} {' '.join(map(_quote, self.argv))}"
+
+
+@dataclass
+class Cell:
+    """One judged reading of the card."""
+
+    target: int
+    cell: str
+    reading: str
+    limit: str
+    met: bool | None  # None: not judged (target 7's ratios, a failed run, a target not run here)
+    note: str = ""
+    status: str = ""  # instead of the verdict: "failed", "not run"
+
+    @property
+    def verdict(self) -> str:
+        return self.status or {True: "met", False: "**not met**", None: "reported"}[self.met]
+
+
+@dataclass
+class Card:
+    machine: str
+    command: str
+    quick: bool
+    runs: list[Run] = field(default_factory=list)
+    cells: list[Cell] = field(default_factory=list)
+    stopped: str = ""
+
+
+def plan(args) -> list[Run]:
+    """The runs that read the chosen targets, at full settings or --quick ones."""
+    q = args.quick
+    steps, rounds = ("4", "1") if q else ("16", "3")
+    dense = ["--size", args.size, "--device", args.device]
+    runs: list[Run] = []
+    if {1, 2} & set(args.targets):
+        batches = ",".join(map(str, args.batches if 2 in args.targets else [1]))
+        for dtype in args.dtypes:
+            argv = [*dense, "--plans", "decoder", "--dtype", dtype, "--batch", batches, "--steps", steps]
+            argv += ["--no-hf", "--rounds", rounds]
+            runs.append(Run(f"decode-{dtype}", (1, 2), "decode_bench.py", argv, "decode", 12))
+    if 3 in args.targets and args.device == "cpu":
+        lengths, position = ("256,2048", "255") if q else ("2048,16384", "2047")
+        for mode in ("ge_graph", "decoder"):
+            argv = ["--size", args.size, "--dtype", "bfloat16", "--lengths", lengths, "--position", position]
+            argv += ["--modes", mode, "--no-op-table", "--rounds", "3" if q else "7"]
+            runs.append(Run(f"attention-{mode}", (3,), "attention_bench.py", argv, "attention", 4))
+    if 4 in args.targets:
+        lengths = "128" if q else "128,512,2048"
+        for dtype in args.dtypes:
+            argv = [*dense, "--dtype", dtype, "--lengths", lengths, "--repeats", "1" if q else "3"]
+            runs.append(Run(f"prefill-{dtype}", (4,), "prefill_bench.py", argv, "prefill", 4))
+    if 5 in args.targets:
+        argv = ["--model", "qwen3_moe", "--size", args.moe_size, "--layers", "1", "--plans", "moe,decoder"]
+        argv += ["--steps", "8" if q else "50", "--no-compiled-peer", "--device", args.device]
+        runs.append(Run("moe", (5,), "decode_bench.py", argv, "moe", 3))
+    if 6 in args.targets and args.device == "cpu":
+        load = ["--size", args.size, "--modes", "eager,ge_graph,decoder", "--steps", "4" if q else "16"]
+        load += ["--policies", "gomp default", "--governor", "on"]
+        fp32 = [*load, "--rounds", "1" if q else "3"]
+        runs.append(Run("load-float32", (6,), "load_bench.py", fp32, "load", 4))
+        bf16 = [*load, "--dtype", "bfloat16", "--batch", "4", "--rounds", "1" if q else "5"]
+        runs.append(Run("load-bfloat16-batch4", (6,), "load_bench.py", bf16, "load", 5))
+    if 7 in args.targets:
+        argv = ["--size", args.overhead_size, "--rounds", "3" if q else "15", "--device", args.device]
+        argv += ["--steps", "8"] if q else []
+        runs.append(Run("overhead", (7,), "decode_bench.py", argv, "peers", 3))
+    return runs
+
+
+def skipped(args) -> list[Cell]:
+    """Cells of targets that cannot be read on --device: said on the card, not left out silently."""
+    if args.device == "cpu":
+        return []
+    why = "CPU only (attention_bench and load_bench time CPU steps)"
+    return [
+        Cell(t, "all", f"on {args.device}: {why}", "-", None, status="not run") for t in (3, 6) if t in args.targets
+    ]
+
+
+def _flag(row: dict) -> str:
+    return "?" if row.get("unsteady") else ""
+
+
+def decode_cells(record: dict, targets: tuple[int, ...]) -> list[Cell]:
+    """Targets 1 and 2 from one decode_bench record (one dtype, each batch)."""
+    dtype, cells = record["dtype"], []
+    short = {"float32": "fp32", "bfloat16": "bf16"}.get(dtype, dtype)
+    for b in record["batches"]:
+        for row in b["rows"]:
+            x, mode = row["x_roofline"], row["name"].removeprefix("ours ")
+            shown = f"{x:.2f}{_flag(row)}x roofline ({row['ms']:.1f} ms; {row['tokens']})"
+            if 1 in targets and b["batch"] == 1 and row["name"] in GRAPH_MODES:
+                limit = DECODE_LIMIT[dtype]
+                cells.append(Cell(1, f"{short} batch 1, {mode}", shown, f"<= {limit}", x <= limit))
+            if 2 in targets:
+                note = "weights as stored, no packed copy" if mode == "eager" else ""
+                cells.append(
+                    Cell(2, f"{short} batch {b['batch']}, {mode}", shown, f"<= {BATCH_LIMIT}", x <= BATCH_LIMIT, note)
+                )
+    return cells
+
+
+def attention_cells(record: dict, targets: tuple[int, ...] = ()) -> list[Cell]:
+    """Target 3: with the custom op, the step at the longest cache over the step at the shortest."""
+    with_op = [s for s in record["steps"] if s["custom_ops"]]
+    longest = max(s["max_len"] for s in with_op)
+    shortest = min(s["max_len"] for s in with_op)
+    cells = []
+    for s in with_op:
+        if s["max_len"] == longest:
+            mode = {"decoder": "ge_graph + SK decoder"}.get(s["mode"], s["mode"])
+            ratio = s["max_len_ratio"]
+            shown = f"{ratio:.2f}x ({s['ms']:.1f} ms at {longest} slots, position {record['position']})"
+            cells.append(Cell(3, f"{mode}, {longest} vs {shortest} slots", shown, f"<= {KV_LIMIT}", ratio <= KV_LIMIT))
+    return cells
+
+
+def prefill_cells(record: dict, targets: tuple[int, ...] = ()) -> list[Cell]:
+    """Target 4: each prompt length, ours against the roofline and against transformers eager."""
+    short = {"float32": "fp32", "bfloat16": "bf16"}.get(record["dtype"], record["dtype"])
+    cells = []
+    for row in record["rows"]:
+        ours, peer = row["sides"]["ours"], row["sides"].get("transformers eager")
+        x = ours["ms"] / row["roof_ms"]
+        shown = f"{x:.2f}x roofline ({ours['ms']:.1f} ms)"
+        met = x <= PREFILL_LIMIT
+        if peer:
+            speedup = peer["ms"] / ours["ms"]
+            shown += f", {speedup:.2f}x transformers' speed"
+            met = met and speedup > 1.0
+        limit = f"<= {PREFILL_LIMIT}, faster than transformers"
+        cells.append(Cell(4, f"{short} prefill, {row['tokens']} tokens", shown, limit, met))
+    return cells
+
+
+def moe_cells(record: dict, targets: tuple[int, ...] = ()) -> list[Cell]:
+    """Target 5: our eager MoE decode against transformers eager (its ratio: above 1, ours faster)."""
+    row = next(r for r in record["batches"][0]["rows"] if r["name"] == "ours eager")
+    speedup = row["vs_peers"][HF_EAGER]
+    shown = f"{speedup:.2f}x transformers' speed ({row['ms']:.1f} ms)"
+    return [Cell(5, f"MoE eager, {record['size']}, 1 layer", shown, ">= 1.0", speedup >= 1.0)]
+
+
+def load_cells(record: dict, targets: tuple[int, ...] = ()) -> list[Cell]:
+    """Target 6: each mode loaded over idle, and SK decoder over ge_graph under load."""
+    where = f"{record['dtype']} batch {record['batch']}"
+    cells = []
+    for row in record["rows"]:
+        x = row["loaded_ms"] / row["idle_ms"]
+        shown = f"{x:.1f}x idle ({row['idle_ms']:.1f} -> {row['loaded_ms']:.1f} ms)"
+        cells.append(Cell(6, f"{where}, {row['mode']} under load", shown, f"<= {LOAD_LIMIT}", x <= LOAD_LIMIT))
+    for r in record.get("sk_over_ge_graph", []):
+        shown = f"{r['median']:.2f} (median of the per-round ratios)"
+        cells.append(Cell(6, f"{where}, SK decoder / ge_graph under load", shown, "<= 1.0", r["median"] <= 1.0))
+    return cells
+
+
+def peer_cells(record: dict, targets: tuple[int, ...] = ()) -> list[Cell]:
+    """Target 7: each of our modes against both transformers peers (reported, no limit)."""
+    cells = []
+    for row in record["batches"][0]["rows"]:
+        if not row["name"].startswith("ours"):
+            continue
+        peers = row["vs_peers"]
+        shown = ", ".join(f"{peers[p]:.2f}x {label}" for p, label in ((HF_EAGER, "eager"), (HF_COMPILED, "compiled"))
+                          if p in peers)  # fmt: skip
+        mode = row["name"].removeprefix("ours ")
+        cells.append(Cell(7, f"{mode} vs transformers, {record['size']}", shown or "-", "reported", None))
+    return cells
+
+
+# Run.reads -> the function making the card's cells from that run's --json record and the targets asked
+# (targets 1 and 2 share the decode runs; the others read one target each)
+JUDGES = {
+    "decode": decode_cells, "attention": attention_cells, "prefill": prefill_cells, "moe": moe_cells,
+    "load": load_cells, "peers": peer_cells,
+}  # fmt: skip
+
+
+def failed(run: Run, log: Path, targets: tuple[int, ...]) -> list[Cell]:
+    """One cell per target of a run that did not finish: its exit status and its last error line."""
+    lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()] if log.is_file() else []
+    last = next((x for x in reversed(lines) if x.startswith("error") or "Error" in x), lines[-1] if lines else "")
+    why = f"exit {run.rc}: {last.strip()[:160]}" if last else f"exit {run.rc}"
+    return [Cell(t, run.name, why, "-", None, status="failed") for t in run.targets if t in targets]
+
+
+def markdown(card: Card) -> str:
+    """The card as markdown: the machine, the table, what was not met, and the commands."""
+    lines = [f"# Issue 13 targets: {card.machine}", "", f"`{card.command}`" + (" (--quick: a look, not a verdict)"
+             if card.quick else ""), ""]  # fmt: skip
+    if card.stopped:
+        lines += [f"**Stopped: {card.stopped}.** The cells below are the runs that finished.", ""]
+    lines += ["| target | cell | reading | limit | verdict |", "|---|---|---|---|---|"]
+    for c in sorted(card.cells, key=lambda c: c.target):
+        note = f" ({c.note})" if c.note else ""
+        lines.append(f"| {c.target} | {c.cell} | {c.reading}{note} | {c.limit} | {c.verdict} |")
+    judged = [c for c in card.cells if c.met is not None]
+    missed = [f"{c.target}: {c.cell}" for c in judged if not c.met]
+    lines += ["", f"Met {len(judged) - len(missed)} of {len(judged)} judged cells."]
+    if missed:
+        lines.append("Not met: " + "; ".join(missed) + ".")
+    lines += ["", "`?`: the machine's read bandwidth or matmul rate moved by more than 15% during that reading.", ""]
+    lines += ["Runs:", ""]
+    for r in card.runs:
+        took = f"{r.seconds / 60:.1f} min" if r.seconds is not None else "not finished"
+        lines.append(f"- {r.name} (exit {r.rc}, {took}): `{r.command}`")
+    return "\n".join(lines) + "\n"
+
+
+def _quote(word: str) -> str:
+    return f'"{word}"' if " " in word else word
+
+
+def save(card: Card, out: Path) -> None:
+    (out / "targets.md").write_text(markdown(card), encoding="utf-8")
+    write_json(str(out / "targets.json"), asdict(card))
+
+
+def run_one(run: Run, out: Path) -> dict | None:
+    """Run one benchmark, its output echoed and kept in <name>.log; its record, or None if it failed."""
+    record_path, log = out / f"{run.name}.json", out / f"{run.name}.log"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / run.script), *run.argv, "--json", str(record_path)]
+    t0 = time.monotonic()
+    with open(log, "w", encoding="utf-8") as fh:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            for line in proc.stdout:
+                fh.write(line)
+                print(f"    {line}", end="", flush=True)
+        finally:
+            run.rc = proc.wait()  # on Ctrl-C the benchmark got the signal too: wait for it to go
+            run.seconds = time.monotonic() - t0
+    if run.rc != 0 or not record_path.is_file():
+        return None
+    return json.loads(record_path.read_text(encoding="utf-8"))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--targets", type=int_list, default="1,2,3,4,5,6,7", help="which targets (default: all seven)")
+    p.add_argument("--dtypes", type=name_list, default="bfloat16,float32", help="targets 1, 2 and 4 (default: both)")
+    p.add_argument("--batches", type=int_list, default="1,4,16,64", help="target 2's batch sizes (default: 1,4,16,64)")
+    p.add_argument("--size", default="qwen3-0.6b", help="dense shape of targets 1-4 and 6 (configs/model_sizes.yaml)")
+    p.add_argument("--moe-size", default="qwen3-30b-a3b-shallow", help="target 5's MoE shape (one layer of it)")
+    p.add_argument("--overhead-size", default="bench-overhead", help="target 7's size (an overhead-bound one)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the runs time (default cpu)")
+    p.add_argument("--quick", action="store_true", help="fewer steps, rounds and lengths: minutes, not an hour")
+    p.add_argument("--out", help="directory for the card and each run's JSON and log (default: targets-<time>)")
+    args = p.parse_args(argv)
+    if bad := [t for t in args.targets if t not in TARGETS]:
+        p.error(f"--targets: no target {bad[0]}; the targets are 1-7 (this script's --help lists them)")
+    if bad := [d for d in args.dtypes if d not in DECODE_LIMIT]:
+        p.error(f"--dtypes: unknown {bad[0]!r}; known: {', '.join(DECODE_LIMIT)}")
+    if not args.dtypes and {1, 2, 4} & set(args.targets):
+        p.error("--dtypes: targets 1, 2 and 4 need at least one dtype")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    asked = tuple(args.targets)
+    from executor.arch import named_size
+    from executor.platform import cpu_kind, detect
+
+    for option, size, used in (("--size", args.size, {1, 2, 3, 4, 6}), ("--moe-size", args.moe_size, {5}),
+                               ("--overhead-size", args.overhead_size, {7})):  # fmt: skip
+        if used & set(asked):
+            named_size(size, option)  # an unknown one: its one line (guarded), before an hour of runs
+    # --device cuda without a GPU: detect's one line (guarded), before any run
+    machine = detect(args.device).describe() if args.device != "cpu" else cpu_kind()
+    out = Path(args.out or f"targets-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python benchmarks/targets.py " + " ".join(map(_quote, sys.argv[1:] if argv is None else argv))
+    card = Card(machine, command.strip(), args.quick, cells=skipped(args))
+    runs = plan(args)
+    total = sum(r.minutes for r in runs)
+    settings = "--quick settings (much less)" if args.quick else "full settings on 2 cores"
+    print(f"# targets {','.join(map(str, args.targets))} on {machine}: {len(runs)} runs, about {total:.0f} min at "
+          f"{settings}; writing {out}/", flush=True)  # fmt: skip
+    try:
+        for i, run in enumerate(runs, 1):
+            card.runs.append(run)
+            said = f"targets {','.join(map(str, run.targets))}, about {run.minutes:.0f} min"
+            print(f"\n[{i}/{len(runs)}] {run.name} ({said}): {run.command}", flush=True)
+            record = run_one(run, out)
+            log = out / f"{run.name}.log"
+            card.cells += JUDGES[run.reads](record, asked) if record is not None else failed(run, log, asked)
+            save(card, out)
+    except KeyboardInterrupt:
+        card.stopped = "Ctrl-C"
+        save(card, out)
+        print(f"\nstopped by Ctrl-C; the card so far: {out / 'targets.md'}", file=sys.stderr)
+        return 130
+    print("\n" + markdown(card))
+    print(f"card: {out / 'targets.md'}; cells: {out / 'targets.json'}")
+    return 1 if any(r.rc != 0 for r in card.runs) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(guarded(main))

@@ -1,0 +1,173 @@
+"""benchmarks/targets.py: each target's cells judged from its benchmark's --json record, the card,
+and one small real run of the command (two benchmarks at the debugmodel size, --quick).
+
+The records in the judging tests are what the benchmarks write, built by hand at chosen values, so
+each limit is checked on both sides of it; the real run checks that the benchmarks write them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import attention_bench, decode_bench, targets
+from benchmarks.cli import guarded
+from tests.fresh_python import REPO
+
+
+def decode_record(dtype: str, x: dict[tuple[int, str], float], unsteady: tuple = ()) -> dict:
+    """A decode_bench record: x roofline per (batch, mode); `unsteady`: (batch, mode) flagged."""
+    batches = {}
+    for (batch, mode), ratio in x.items():
+        row = {"name": f"ours {mode}", "ms": 10 * ratio, "x_roofline": ratio, "unsteady": (batch, mode) in unsteady}
+        row |= {"vs_ge_graph": 1.0, "vs_peers": {}, "compile_s": None, "tokens": "same tokens"}
+        batches.setdefault(batch, []).append(row)
+    rows = [{"batch": b, "roof_ms": 10.0, "rows": r} for b, r in batches.items()]
+    return {"bench": "decode_bench", "dtype": dtype, "size": "qwen3-0.6b", "batches": rows}
+
+
+def verdicts(cells) -> dict[tuple[int, str], bool | None]:
+    return {(c.target, c.cell): c.met for c in cells}
+
+
+def test_decode_cells_judge_batch_one_by_dtype_and_every_batch_at_1_3():
+    record = decode_record(
+        "bfloat16",
+        {(1, "eager"): 1.25, (1, "ge_graph"): 1.19, (1, "ge_graph + SK decoder"): 1.21, (16, "ge_graph"): 1.31},
+        unsteady=[(16, "ge_graph")],
+    )
+    got = verdicts(targets.decode_cells(record, (1, 2)))
+    assert got == {
+        (1, "bf16 batch 1, ge_graph"): True,  # 1.19 <= 1.2
+        (1, "bf16 batch 1, ge_graph + SK decoder"): False,  # 1.21 > 1.2
+        (2, "bf16 batch 1, eager"): True,  # eager is judged under target 2 only
+        (2, "bf16 batch 1, ge_graph"): True,
+        (2, "bf16 batch 1, ge_graph + SK decoder"): True,
+        (2, "bf16 batch 16, ge_graph"): False,  # 1.31 > 1.3
+    }
+    fp32 = targets.decode_cells(decode_record("float32", {(1, "ge_graph"): 1.15}), (1,))
+    assert [(c.cell, c.met) for c in fp32] == [("fp32 batch 1, ge_graph", False)]  # fp32's limit is 1.1
+    flagged = next(c for c in targets.decode_cells(record, (2,)) if c.cell == "bf16 batch 16, ge_graph")
+    assert flagged.reading.startswith("1.31?x roofline")
+
+
+def test_attention_prefill_moe_and_load_cells():
+    steps = [
+        {"mode": m, "custom_ops": op, "max_len": t, "ms": 5.0, "max_len_ratio": r, "cosine": 1.0}
+        for m, op, t, r in [
+            ("ge_graph", False, 2048, 1.0), ("ge_graph", False, 16384, 3.0),
+            ("ge_graph", True, 2048, 1.0), ("ge_graph", True, 16384, 1.08),
+            ("decoder", True, 2048, 1.0), ("decoder", True, 16384, 1.12),
+        ]
+    ]  # fmt: skip
+    att = targets.attention_cells({"steps": steps, "position": 2047})
+    assert verdicts(att) == {
+        (3, "ge_graph, 16384 vs 2048 slots"): True,
+        (3, "ge_graph + SK decoder, 16384 vs 2048 slots"): False,
+    }
+    rows = [
+        {"tokens": n, "roof_ms": 100.0, "sides": {"ours": {"ms": ours}, "transformers eager": {"ms": hf}}}
+        for n, ours, hf in [(128, 140.0, 150.0), (512, 140.0, 130.0), (2048, 160.0, 400.0)]
+    ]
+    pre = targets.prefill_cells({"dtype": "float32", "rows": rows})
+    # within 1.5x and faster / within but slower than transformers / faster but past 1.5x
+    assert [c.met for c in pre] == [True, False, False]
+    moe = {"size": "qwen3-30b-a3b-shallow", "batches": [{"rows": [{"name": "ours eager", "ms": 9.0,
+           "vs_peers": {targets.HF_EAGER: 0.97}}]}]}  # fmt: skip
+    assert [c.met for c in targets.moe_cells(moe)] == [False]
+    load = {"dtype": "float32", "batch": 1, "sk_over_ge_graph": [{"median": 1.02}]}
+    load["rows"] = [
+        {"mode": "eager", "idle_ms": 10.0, "loaded_ms": 39.0},
+        {"mode": "decoder", "idle_ms": 5, "loaded_ms": 21},
+    ]
+    assert [c.met for c in targets.load_cells(load)] == [True, False, False]  # 3.9x, 4.2x, SK slower
+
+
+def test_a_failed_run_is_a_failed_cell_and_the_card_counts_only_judged_cells(tmp_path):
+    log = tmp_path / "moe.log"
+    log.write_text("  building\nerror: --size: 'x' is not a named size\n")
+    run = targets.Run("moe", (5,), "decode_bench.py", ["--size", "x"], "moe", 3, rc=2, seconds=1.0)
+    cells = targets.failed(run, log, (5,))
+    assert [(c.verdict, c.reading) for c in cells] == [("failed", "exit 2: error: --size: 'x' is not a named size")]
+    card = targets.Card("a cpu", "python benchmarks/targets.py", quick=False, runs=[run], stopped="Ctrl-C")
+    card.cells = cells + targets.decode_cells(decode_record("float32", {(1, "ge_graph"): 1.2}), (1,))
+    text = targets.markdown(card)
+    assert "**Stopped: Ctrl-C.**" in text and "| 5 | moe | exit 2: error" in text
+    assert "Met 0 of 1 judged cells." in text and "Not met: 1: fp32 batch 1, ge_graph." in text
+    assert "- moe (exit 2, 0.0 min): `python benchmarks/decode_bench.py --size x`" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--targets", "8"], "--targets: no target 8; the targets are 1-7"),
+        (["--dtypes", "float16"], "--dtypes: unknown 'float16'; known: bfloat16, float32"),
+        (["--batches", "4,x"], "argument --batches: expected a comma list of positive integers"),
+    ],
+)
+def test_bad_arguments_are_argparses_one_line(argv, said, capsys):
+    with pytest.raises(SystemExit) as exc:
+        targets.main(argv)
+    assert exc.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_an_unknown_size_is_one_line_before_any_run(tmp_path, capsys):
+    assert guarded(lambda: targets.main(["--moe-size", "nope", "--targets", "5", "--out", str(tmp_path)])) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [err[0]] and err[0].startswith("error: --moe-size: 'nope' is not a named size")
+    assert not list(tmp_path.iterdir())  # nothing ran, nothing written
+
+
+@pytest.mark.parametrize(
+    ("bench", "argv", "said"),
+    [
+        (decode_bench, ["--json", "x.json", "--world-size", "2"], "--json: the tables of one rank only"),
+        (attention_bench, ["--json", "x.json", "--modes", ""], "--json records the step table: name its --modes"),
+    ],
+)
+def test_json_a_benchmark_cannot_write_is_refused(bench, argv, said, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv)
+    assert exc.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_attention_bench_json_has_each_step_of_the_table(tmp_path):
+    """The step table's eager rows (nothing to compile) at two cache lengths, with and without the op."""
+    out = tmp_path / "att.json"
+    argv = ["--size", "debugmodel", "--lengths", "64,128", "--position", "40", "--modes", "eager", "--no-op-table"]
+    assert attention_bench.main([*argv, "--rounds", "1", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    keys = sorted((s["mode"], s["custom_ops"], s["max_len"]) for s in record["steps"])
+    assert keys == [("eager", False, 64), ("eager", False, 128), ("eager", True, 64), ("eager", True, 128)]
+    assert all(s["ms"] > 0 and s["cosine"] > 0.99 for s in record["steps"])
+    assert {s["max_len_ratio"] for s in record["steps"] if s["max_len"] == 64} == {1.0}
+
+
+@pytest.mark.slow
+def test_a_quick_run_writes_the_card_from_the_benchmarks_records(tmp_path):
+    """targets.py as a user runs it: decode_bench and prefill_bench at the debugmodel size, --quick;
+    both write their --json records, and the card judges targets 1, 2 and 4 from them."""
+    argv = ["--quick", "--targets", "1,2,4", "--dtypes", "float32", "--batches", "1,2", "--size", "debugmodel"]
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/targets.py", *argv, "--out", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "[1/2] decode-float32" in proc.stdout and "[2/2] prefill-float32" in proc.stdout
+    card = json.loads((tmp_path / "targets.json").read_text())
+    cells = {(c["target"], c["cell"]) for c in card["cells"]}
+    assert cells == {
+        (1, "fp32 batch 1, ge_graph"), (1, "fp32 batch 1, ge_graph + SK decoder"),
+        *{(2, f"fp32 batch {b}, {m}") for b in (1, 2) for m in ("eager", "ge_graph", "ge_graph + SK decoder")},
+        (4, "fp32 prefill, 128 tokens"),
+    }  # fmt: skip
+    assert all(isinstance(c["met"], bool) for c in card["cells"])
+    assert all("same tokens" in c["reading"] for c in card["cells"] if c["target"] in (1, 2))  # fp32: exact
+    assert [r["rc"] for r in card["runs"]] == [0, 0] and card["machine"].endswith(" threads)")  # cpu_kind
+    decode = json.loads((tmp_path / "decode-float32.json").read_text())
+    assert [b["batch"] for b in decode["batches"]] == [1, 2]
+    prefill = json.loads((tmp_path / "prefill-float32.json").read_text())
+    assert set(prefill["rows"][0]["sides"]) == {"ours", "transformers eager"}
+    assert (tmp_path / "targets.md").read_text().startswith("# Issue 13 targets: ")
