@@ -47,9 +47,11 @@ from benchmarks.cli import guarded, int_list, name_list, write_json  # noqa: E40
 
 TARGETS = range(1, 8)
 GRAPH_MODES = ("ours ge_graph", "ours ge_graph + SK decoder")
+MODE_LABEL = {"decoder": "ge_graph + SK decoder"}  # attention_bench's and load_bench's mode names, as decode_bench's
 DECODE_LIMIT = {"bfloat16": 1.2, "float32": 1.1}  # target 1
 BATCH_LIMIT, KV_LIMIT, PREFILL_LIMIT, LOAD_LIMIT = 1.3, 1.1, 1.5, 4.0  # targets 2, 3, 4, 6
 HF_EAGER, HF_COMPILED = "transformers eager generate", "transformers static cache + torch.compile"
+SHORT = {"float32": "fp32", "bfloat16": "bf16"}  # dtype names in the card's cells
 
 
 @dataclass
@@ -95,6 +97,7 @@ class Card:
     quick: bool
     runs: list[Run] = field(default_factory=list)
     cells: list[Cell] = field(default_factory=list)
+    rates: dict[str, list[float]] = field(default_factory=dict)  # run -> [read GB/s, TFLOP/s] at its start
     stopped: str = ""
 
 
@@ -156,7 +159,7 @@ def _flag(row: dict) -> str:
 def decode_cells(record: dict, targets: tuple[int, ...]) -> list[Cell]:
     """Targets 1 and 2 from one decode_bench record (one dtype, each batch)."""
     dtype, cells = record["dtype"], []
-    short = {"float32": "fp32", "bfloat16": "bf16"}.get(dtype, dtype)
+    short = SHORT[dtype]
     for b in record["batches"]:
         for row in b["rows"]:
             x, mode = row["x_roofline"], row["name"].removeprefix("ours ")
@@ -180,7 +183,7 @@ def attention_cells(record: dict, targets: tuple[int, ...] = ()) -> list[Cell]:
     cells = []
     for s in with_op:
         if s["max_len"] == longest:
-            mode = {"decoder": "ge_graph + SK decoder"}.get(s["mode"], s["mode"])
+            mode = MODE_LABEL.get(s["mode"], s["mode"])
             ratio = s["max_len_ratio"]
             shown = f"{ratio:.2f}x ({s['ms']:.1f} ms at {longest} slots, position {record['position']})"
             cells.append(Cell(3, f"{mode}, {longest} vs {shortest} slots", shown, f"<= {KV_LIMIT}", ratio <= KV_LIMIT))
@@ -189,8 +192,7 @@ def attention_cells(record: dict, targets: tuple[int, ...] = ()) -> list[Cell]:
 
 def prefill_cells(record: dict, targets: tuple[int, ...] = ()) -> list[Cell]:
     """Target 4: each prompt length, ours against the roofline and against transformers eager."""
-    short = {"float32": "fp32", "bfloat16": "bf16"}.get(record["dtype"], record["dtype"])
-    cells = []
+    short, cells = SHORT[record["dtype"]], []
     for row in record["rows"]:
         ours, peer = row["sides"]["ours"], row["sides"].get("transformers eager")
         x = ours["ms"] / row["roof_ms"]
@@ -215,12 +217,13 @@ def moe_cells(record: dict, targets: tuple[int, ...] = ()) -> list[Cell]:
 
 def load_cells(record: dict, targets: tuple[int, ...] = ()) -> list[Cell]:
     """Target 6: each mode loaded over idle, and SK decoder over ge_graph under load."""
-    where = f"{record['dtype']} batch {record['batch']}"
+    where = f"{SHORT[record['dtype']]} batch {record['batch']}"
     cells = []
     for row in record["rows"]:
         x = row["loaded_ms"] / row["idle_ms"]
         shown = f"{x:.1f}x idle ({row['idle_ms']:.1f} -> {row['loaded_ms']:.1f} ms)"
-        cells.append(Cell(6, f"{where}, {row['mode']} under load", shown, f"<= {LOAD_LIMIT}", x <= LOAD_LIMIT))
+        mode = MODE_LABEL.get(row["mode"], row["mode"])
+        cells.append(Cell(6, f"{where}, {mode} under load", shown, f"<= {LOAD_LIMIT}", x <= LOAD_LIMIT))
     for r in record.get("sk_over_ge_graph", []):
         shown = f"{r['median']:.2f} (median of the per-round ratios)"
         cells.append(Cell(6, f"{where}, SK decoder / ge_graph under load", shown, "<= 1.0", r["median"] <= 1.0))
@@ -267,12 +270,16 @@ def markdown(card: Card) -> str:
     for c in sorted(card.cells, key=lambda c: c.target):
         note = f" ({c.note})" if c.note else ""
         lines.append(f"| {c.target} | {c.cell} | {c.reading}{note} | {c.limit} | {c.verdict} |")
-    judged = [c for c in card.cells if c.met is not None]
+    judged = sorted((c for c in card.cells if c.met is not None), key=lambda c: c.target)
     missed = [f"{c.target}: {c.cell}" for c in judged if not c.met]
     lines += ["", f"Met {len(judged) - len(missed)} of {len(judged)} judged cells."]
     if missed:
         lines.append("Not met: " + "; ".join(missed) + ".")
-    lines += ["", "`?`: the machine's read bandwidth or matmul rate moved by more than 15% during that reading.", ""]
+    lines += ["", "`?`: the machine's read bandwidth or matmul rate moved by more than 15% during that reading."]
+    if card.rates:
+        read = "; ".join(f"{name} {gbs:.1f} GB/s, {tf:.2f} TFLOP/s" for name, (gbs, tf) in card.rates.items())
+        lines.append(f"The rates each roofline run read at its start (read bandwidth, matmul in its dtype): {read}.")
+    lines.append("")
     lines += ["Runs:", ""]
     for r in card.runs:
         took = f"{r.seconds / 60:.1f} min" if r.seconds is not None else "not finished"
@@ -353,11 +360,14 @@ def main(argv=None) -> int:
     try:
         for i, run in enumerate(runs, 1):
             card.runs.append(run)
-            said = f"targets {','.join(map(str, run.targets))}, about {run.minutes:.0f} min"
+            said = f"targets {','.join(map(str, run.targets))}"
+            said += "" if args.quick else f", about {run.minutes:.0f} min"
             print(f"\n[{i}/{len(runs)}] {run.name} ({said}): {run.command}", flush=True)
             record = run_one(run, out)
             log = out / f"{run.name}.log"
             card.cells += JUDGES[run.reads](record, asked) if record is not None else failed(run, log, asked)
+            if record is not None and "tflops" in record:
+                card.rates[run.name] = [record["read_gbs"], record["tflops"]]
             save(card, out)
     except KeyboardInterrupt:
         card.stopped = "Ctrl-C"

@@ -93,7 +93,9 @@ def test_a_failed_run_is_a_failed_cell_and_the_card_counts_only_judged_cells(tmp
     assert [(c.verdict, c.reading) for c in cells] == [("failed", "exit 2: error: --size: 'x' is not a named size")]
     card = targets.Card("a cpu", "python benchmarks/targets.py", quick=False, runs=[run], stopped="Ctrl-C")
     card.cells = cells + targets.decode_cells(decode_record("float32", {(1, "ge_graph"): 1.2}), (1,))
+    card.rates = {"decode-float32": [34.12, 0.234]}
     text = targets.markdown(card)
+    assert "(read bandwidth, matmul in its dtype): decode-float32 34.1 GB/s, 0.23 TFLOP/s." in text
     assert "**Stopped: Ctrl-C.**" in text and "| 5 | moe | exit 2: error" in text
     assert "Met 0 of 1 judged cells." in text and "Not met: 1: fp32 batch 1, ge_graph." in text
     assert "- moe (exit 2, 0.0 min): `python benchmarks/decode_bench.py --size x`" in text
@@ -166,6 +168,7 @@ def test_a_quick_run_writes_the_card_from_the_benchmarks_records(tmp_path):
     assert all(isinstance(c["met"], bool) for c in card["cells"])
     assert all("same tokens" in c["reading"] for c in card["cells"] if c["target"] in (1, 2))  # fp32: exact
     assert [r["rc"] for r in card["runs"]] == [0, 0] and card["machine"].endswith(" threads)")  # cpu_kind
+    assert set(card["rates"]) == {"decode-float32", "prefill-float32"}  # each roofline's two rates
     decode = json.loads((tmp_path / "decode-float32.json").read_text())
     assert [b["batch"] for b in decode["batches"]] == [1, 2]
     prefill = json.loads((tmp_path / "prefill-float32.json").read_text())
