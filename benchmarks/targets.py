@@ -1,7 +1,7 @@
 """Issue 13's performance targets on this machine, in one command: runs the benchmarks that measure
 them, judges every cell against its limit, and writes the scorecard.
 
-Why: the targets are read by five benchmarks with a dozen flag sets between them, and each CPU kind
+Why: the targets are read by four benchmarks with a dozen flag sets between them, and each CPU kind
 reads them differently (BENCHMARKS.md, "Issue 13: where each target stands, by CPU kind", compiled
 by hand from seventy passes). Whoever gets a kind that table leaves open (Zen 5, an Intel host with
 AMX, Ice Lake, a GPU) runs this and gets that kind's column, with the commands that made it.
@@ -17,13 +17,15 @@ The targets and what is judged (limits from issue 13):
 Each benchmark runs in its own process (a crash or an out-of-memory loses one run, not the card),
 one after the other: run it on an idle machine, since the benchmarks compare against rates they
 measure as they go. The card is rewritten after every run, so a run stopped midway keeps the cells
-it has. A `?` marks a reading whose bandwidth or matmul rate moved by more than 15% while it ran
+it has (and those of the stopped benchmark's finished tables), and `--resume` with the same --out
+runs only what did not finish. A `?` marks a reading whose bandwidth or matmul rate moved by more than 15% while it ran
 (the machine changed speed; the verdict is printed, but it is weak).
 
   python benchmarks/targets.py                          # every target: about an hour on 2 cores
   python benchmarks/targets.py --targets 1,2 --dtypes bfloat16
   python benchmarks/targets.py --quick                  # minutes: fewer steps, rounds, lengths; a look
   python benchmarks/targets.py --device cuda --targets 1,2,4,7
+  python benchmarks/targets.py --out targets-zen5 --resume  # after a stop: the runs that did not finish
 
 Writes into --out: targets.md (the card), targets.json (its cells), and each run's JSON and log.
 Exit status: 0 when every run finished (whatever the verdicts), 1 when one failed, 2 on bad
@@ -37,7 +39,7 @@ import json
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,6 +69,7 @@ class Run:
     minutes: float  # about how long it took on the reference VM (2 cores), for the progress line
     rc: int | None = None
     seconds: float | None = None
+    kept: bool = False  # --resume: taken from the earlier card in --out, not run again
 
     @property
     def command(self) -> str:
@@ -283,6 +286,7 @@ def markdown(card: Card) -> str:
     lines += ["Runs:", ""]
     for r in card.runs:
         took = f"{r.seconds / 60:.1f} min" if r.seconds is not None else "not finished"
+        took += ", kept from the earlier card (--resume)" if r.kept else ""
         lines.append(f"- {r.name} (exit {r.rc}, {took}): `{r.command}`")
     return "\n".join(lines) + "\n"
 
@@ -299,6 +303,7 @@ def save(card: Card, out: Path) -> None:
 def run_one(run: Run, out: Path) -> dict | None:
     """Run one benchmark, its output echoed and kept in <name>.log; its record, or None if it failed."""
     record_path, log = out / f"{run.name}.json", out / f"{run.name}.log"
+    record_path.unlink(missing_ok=True)  # an earlier card's record in this --out must not pass for this run's
     cmd = [sys.executable, str(ROOT / "benchmarks" / run.script), *run.argv, "--json", str(record_path)]
     t0 = time.monotonic()
     with open(log, "w", encoding="utf-8") as fh:
@@ -315,6 +320,23 @@ def run_one(run: Run, out: Path) -> dict | None:
     return json.loads(record_path.read_text(encoding="utf-8"))
 
 
+def finished_runs(out: Path) -> dict[str, dict]:
+    """The runs of the earlier card in `out` that finished (exit 0), by name (--resume)."""
+    card = json.loads((out / "targets.json").read_text(encoding="utf-8"))
+    return {r["name"]: r for r in card["runs"] if r["rc"] == 0}
+
+
+def kept(run: Run, earlier: dict | None, out: Path) -> dict | None:
+    """With --resume: the earlier card's record of this run, if that run finished with the same
+    arguments (another --quick, size or batch list is another measurement) and its record is there;
+    else None, and the run runs."""
+    record = out / f"{run.name}.json"
+    if earlier is None or earlier["argv"] != run.argv or not record.is_file():
+        return None
+    run.rc, run.seconds, run.kept = 0, earlier["seconds"], True
+    return json.loads(record.read_text(encoding="utf-8"))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--targets", type=int_list, default="1,2,3,4,5,6,7", help="which targets (default: all seven)")
@@ -326,7 +348,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the runs time (default cpu)")
     p.add_argument("--quick", action="store_true", help="fewer steps, rounds and lengths: minutes, not an hour")
     p.add_argument("--out", help="directory for the card and each run's JSON and log (default: targets-<time>)")
+    p.add_argument(
+        "--resume", action="store_true", help="--out holds an earlier card: keep its finished runs, run the rest"
+    )
     args = p.parse_args(argv)
+    if args.resume and not (args.out and (Path(args.out) / "targets.json").is_file()):
+        p.error(f"--resume: no earlier card (targets.json) in --out {args.out!r}; name the directory of that run")
     if bad := [t for t in args.targets if t not in TARGETS]:
         p.error(f"--targets: no target {bad[0]}; the targets are 1-7 (this script's --help lists them)")
     if bad := [d for d in args.dtypes if d not in DECODE_LIMIT]:
@@ -357,20 +384,34 @@ def main(argv=None) -> int:
     settings = "--quick settings (much less)" if args.quick else "full settings on 2 cores"
     print(f"# targets {','.join(map(str, args.targets))} on {machine}: {len(runs)} runs, about {total:.0f} min at "
           f"{settings}; writing {out}/", flush=True)  # fmt: skip
+    earlier = finished_runs(out) if args.resume else {}
+    judged: set[str] = set()  # runs whose cells are on the card
     try:
         for i, run in enumerate(runs, 1):
             card.runs.append(run)
             said = f"targets {','.join(map(str, run.targets))}"
             said += "" if args.quick else f", about {run.minutes:.0f} min"
-            print(f"\n[{i}/{len(runs)}] {run.name} ({said}): {run.command}", flush=True)
-            record = run_one(run, out)
+            record = kept(run, earlier.get(run.name), out)
+            if record is not None:
+                print(f"\n[{i}/{len(runs)}] {run.name}: kept from the earlier card (--resume)", flush=True)
+            else:
+                print(f"\n[{i}/{len(runs)}] {run.name} ({said}): {run.command}", flush=True)
+                record = run_one(run, out)
             log = out / f"{run.name}.log"
             card.cells += JUDGES[run.reads](record, asked) if record is not None else failed(run, log, asked)
+            judged.add(run.name)
             if record is not None and "tflops" in record:
                 card.rates[run.name] = [record["read_gbs"], record["tflops"]]
             save(card, out)
     except KeyboardInterrupt:
         card.stopped = "Ctrl-C"
+        stopped = card.runs[-1] if card.runs else None
+        partial = out / f"{stopped.name}.json" if stopped else None
+        if partial is not None and partial.is_file() and stopped.name not in judged:
+            # decode_bench writes its record after each batch: the batches it finished are cells
+            cells = JUDGES[stopped.reads](json.loads(partial.read_text(encoding="utf-8")), asked)
+            said = "its run was stopped"
+            card.cells += [replace(c, note=f"{c.note}; {said}" if c.note else said) for c in cells]
         save(card, out)
         print(f"\nstopped by Ctrl-C; the card so far: {out / 'targets.md'}", file=sys.stderr)
         return 130

@@ -1,5 +1,6 @@
 """benchmarks/targets.py: each target's cells judged from its benchmark's --json record, the card,
-and one small real run of the command (two benchmarks at the debugmodel size, --quick).
+--resume, and two small real runs of the command at the debugmodel size with --quick (one to the end,
+one stopped by Ctrl-C).
 
 The records in the judging tests are what the benchmarks write, built by hand at chosen values, so
 each limit is checked on both sides of it; the real run checks that the benchmarks write them."""
@@ -7,8 +8,11 @@ each limit is checked on both sides of it; the real run checks that the benchmar
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -174,3 +178,58 @@ def test_a_quick_run_writes_the_card_from_the_benchmarks_records(tmp_path):
     prefill = json.loads((tmp_path / "prefill-float32.json").read_text())
     assert set(prefill["rows"][0]["sides"]) == {"ours", "transformers eager"}
     assert (tmp_path / "targets.md").read_text().startswith("# Issue 13 targets: ")
+
+
+def test_resume_keeps_the_earlier_cards_finished_runs_and_only_those(tmp_path, capsys):
+    """--resume on a directory whose card has the MoE run finished: nothing is run again (this test
+    starts no benchmark), the cell comes from the kept record, and the run list says it was kept. A run
+    of other arguments, or one whose record is gone, is not kept."""
+    args = targets.parse_args(["--targets", "5", "--out", str(tmp_path)])
+    (run,) = targets.plan(args)
+    earlier = targets.Card("a cpu", "python benchmarks/targets.py --targets 5", quick=False, runs=[run])
+    run.rc, run.seconds = 0, 120.0
+    targets.save(earlier, tmp_path)
+    moe = {"size": args.moe_size, "read_gbs": 30.0, "tflops": 0.2}
+    moe["batches"] = [{"rows": [{"name": "ours eager", "ms": 49.6, "vs_peers": {targets.HF_EAGER: 1.71}}]}]
+    (tmp_path / "moe.json").write_text(json.dumps(moe))
+    assert targets.main(["--targets", "5", "--resume", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "[1/1] moe: kept from the earlier card (--resume)" in out and "python benchmarks/decode_bench.py" in out
+    card = json.loads((tmp_path / "targets.json").read_text())
+    assert [(c["target"], c["met"]) for c in card["cells"]] == [(5, True)] and card["runs"][0]["kept"]
+    assert "- moe (exit 0, 2.0 min, kept from the earlier card (--resume))" in (tmp_path / "targets.md").read_text()
+    quick = targets.plan(targets.parse_args(["--targets", "5", "--quick"]))[0]
+    assert targets.kept(quick, card["runs"][0], tmp_path) is None  # other arguments: another measurement
+    (tmp_path / "moe.json").unlink()
+    assert targets.kept(targets.plan(args)[0], card["runs"][0], tmp_path) is None
+
+
+def test_resume_without_an_earlier_card_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        targets.main(["--resume", "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "--resume: no earlier card (targets.json) in --out" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_ctrl_c_keeps_the_card_with_the_stopped_benchmarks_finished_tables(tmp_path):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) once decode_bench has
+    written its first batch's table: exit 130, and the card holds that batch's cells, marked as
+    from a stopped run, and says it was stopped."""
+    argv = ["--quick", "--targets", "2", "--dtypes", "float32", "--batches", "1,2", "--size", "debugmodel"]
+    proc = subprocess.Popen(
+        [sys.executable, "benchmarks/targets.py", *argv, "--out", str(tmp_path)],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    record = tmp_path / "decode-float32.json"
+    deadline = time.monotonic() + 600
+    while not record.is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert record.is_file(), proc.stderr.read() if proc.poll() is not None else "no record in 600 s"
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=300) == 130
+    card = json.loads((tmp_path / "targets.json").read_text())
+    assert card["stopped"] == "Ctrl-C"
+    cells = [(c["cell"], c["note"]) for c in card["cells"]]
+    assert ("fp32 batch 1, ge_graph", "its run was stopped") in cells
+    assert not any("batch 2" in cell for cell, _ in cells)  # the batch it was timing when stopped
+    assert "**Stopped: Ctrl-C.**" in (tmp_path / "targets.md").read_text()
