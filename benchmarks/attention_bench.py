@@ -46,7 +46,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cli import guarded, int_list, name_list, paired, write_json  # noqa: E402
+from benchmarks.cli import guarded, int_list, json_path, name_list, paired, write_json  # noqa: E402
 from executor import custom_ops  # noqa: E402
 from executor.arch import named_size  # noqa: E402
 from executor.config import load_config  # noqa: E402
@@ -192,7 +192,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--batch", type=int, default=1, help="decode rows of the step table (default: 1)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="run dtype of the step table")
-    p.add_argument("--json", help="also write the step table as JSON here (benchmarks/targets.py)")
+    p.add_argument("--json", type=json_path, help="also write the step table as JSON here (benchmarks/targets.py)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

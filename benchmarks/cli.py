@@ -88,6 +88,20 @@ def round_ratios(base: list[float], other: list[float]) -> list[float]:
     return sorted(b / o for b, o in zip(base, other, strict=True))
 
 
+def json_path(text: str) -> str:
+    """--json's file, checked before anything is measured: the record is first written after the first
+    table, minutes in, and a directory or an unwritable place then was a traceback that lost them."""
+    path = Path(text).absolute()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; name a file")
+    where = path.parent
+    while not where.exists():  # write_json makes the missing directories
+        where = where.parent
+    if not where.is_dir() or not os.access(where, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {where} is not a writable directory")
+    return text
+
+
 def write_json(path: str | None, record: dict) -> None:
     """A benchmark's --json record, written whole (a temporary file renamed over the old one), so a
     reader such as benchmarks/targets.py never sees half a file. Called after each table, not once at

@@ -68,7 +68,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cli import guarded, int_list, paired, round_ratios, write_json  # noqa: E402
+from benchmarks.cli import guarded, int_list, json_path, paired, round_ratios, write_json  # noqa: E402
 from executor.arch import ModelArch, arch_from_dict, named_size  # noqa: E402
 from executor.backends import eager_linear, packed_linear  # noqa: E402
 from executor.config import load_config  # noqa: E402
@@ -437,7 +437,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where every side runs (default cpu)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--plot", help="PNG: tokens/s per batch and mode, and each mode's x roofline")
-    p.add_argument("--json", help="also write every table as JSON here, after each batch (benchmarks/targets.py)")
+    p.add_argument(
+        "--json", type=json_path, help="also write every table as JSON here, after each batch (benchmarks/targets.py)"
+    )
     p.add_argument("--world-size", type=int, default=1, help="ranks (torchrun); > 1 skips the transformers peers")
     p.add_argument("--layout", choices=list(LAYOUTS), default="tp", help="with --world-size > 1 (default: tp)")
     p.add_argument("--checkpoint", help=argparse.SUPPRESS)  # set by the launching process for its ranks
@@ -642,12 +644,12 @@ def row_record(r: Row, rows: list[Row]) -> dict:
     this row's", so above 1 is this row faster)."""
     graph = next(g for g in rows if g.name == "ours ge_graph")
     if r.round_ms and graph.round_ms:  # as vs_graph: per round where the two took turns
-        vs_graph = statistics.median(round_ratios(list(graph.round_ms), list(r.round_ms)))
+        vs_ge = statistics.median(round_ratios(list(graph.round_ms), list(r.round_ms)))
     else:
-        vs_graph = graph.ms / r.ms
+        vs_ge = graph.ms / r.ms
     return {
         "name": r.name, "ms": r.ms, "x_roofline": r.ms / r.roof_ms, "unsteady": r.unsteady(),
-        "vs_ge_graph": vs_graph,
+        "vs_ge_graph": vs_ge,
         "vs_peers": {p.name: p.ms / r.ms for p in rows if p.name.startswith("transformers")},
         "compile_s": r.compile_s, "tokens": token_check(r.tokens, rows[0].tokens),
     }  # fmt: skip

@@ -38,6 +38,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.cli import json_path, write_json  # noqa: E402  (torch-free, as this process must stay)
 
 POLICIES = {  # name -> environment for the measured process (libgomp reads it at load)
     "gomp default": {"OMP_WAIT_POLICY": "", "GOMP_SPINCOUNT": ""},
@@ -182,7 +185,7 @@ def main(argv=None) -> int:
     p.add_argument("--policies", default="gomp default,passive", help=f"comma list of: {', '.join(POLICIES)}")
     p.add_argument("--governor", default="off,on", help="the runner's thread governor: off, on or both")
     p.add_argument("--neighbour-threads", type=int, default=os.cpu_count(), help="the neighbour's torch threads")
-    p.add_argument("--json", help="also write the table as JSON here (benchmarks/targets.py)")
+    p.add_argument("--json", type=json_path, help="also write the table as JSON here (benchmarks/targets.py)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
     p.add_argument("--cache", help=argparse.SUPPRESS)
@@ -193,7 +196,6 @@ def main(argv=None) -> int:
             f"{args.batch}"
         )
     if args.child:  # the measured process: only it imports the project (and torch)
-        sys.path.insert(0, str(ROOT))
         from benchmarks.cli import guarded
 
         return guarded(lambda: child(args))
@@ -254,9 +256,6 @@ def main(argv=None) -> int:
                 f"(< 1: SK faster; median of {len(per_round)} rounds, {per_round[0]:.2f}-{per_round[-1]:.2f})"
             )
             record["sk_over_ge_graph"].append({"policy": name, "governor": gov, "median": statistics.median(per_round)})
-    sys.path.insert(0, str(ROOT))
-    from benchmarks.cli import write_json  # torch-free, as this process must stay
-
     write_json(args.json, record)
     return 0
 

@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cli import guarded, int_list, write_json  # noqa: E402
+from benchmarks.cli import guarded, int_list, json_path, write_json  # noqa: E402
 from benchmarks.decode_bench import DTYPES, make_checkpoint, matmul_tflops, memory_bandwidth_gbs  # noqa: E402
 from executor.arch import ModelArch, arch_from_dict, named_size  # noqa: E402
 from executor.config import load_config  # noqa: E402
@@ -103,7 +103,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     p.add_argument("--plot", help="PNG of TTFT per prompt length, with the roofline")
-    p.add_argument("--json", help="also write the table as JSON here, after each length (benchmarks/targets.py)")
+    p.add_argument(
+        "--json", type=json_path, help="also write the table as JSON here, after each length (benchmarks/targets.py)"
+    )
     args = p.parse_args(argv)
     lengths = args.lengths
     if args.repeats < 1:

@@ -44,6 +44,8 @@ BAD = [
     (step_profile, ["--perf", "--trace-dir", "t"], "--perf and --trace-dir: a perf run writes no chrome trace"),
     (load_bench, ["--rounds", "0"], "--steps, --rounds and --batch: expected positive integers, got 64, 0 and 1"),
     (load_bench, ["--batch", "0"], "--steps, --rounds and --batch: expected positive integers, got 64, 3 and 0"),
+    (decode_bench, ["--json", "."], "argument --json: '.' is a directory; name a file"),
+    (prefill_bench, ["--json", "benchmarks/cli.py/x.json"], "argument --json: cannot write"),
     (verdict_bench, ["--gains", "1,x"], "argument --gains: expected a comma list of numbers, got '1,x'"),
     (verdict_bench, ["--slow", "2"], "--slow between 0 and 1"),
 ]
