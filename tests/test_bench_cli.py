@@ -22,7 +22,7 @@ from benchmarks import (
     step_profile,
     verdict_bench,
 )
-from benchmarks.cli import guarded, int_list, name_list
+from benchmarks.cli import guarded, int_list, name_list, write_json
 from tests.fresh_python import REPO
 
 BAD = [
@@ -159,3 +159,13 @@ def test_attention_bench_stream_reads_every_layers_cache_in_both_dtypes(capsys):
         assert mb == pytest.approx(kv_mb[dtype], abs=0.05) and ms > 0 and share > 0
         # MB / ms = GB/s, printed to 0.1: on a busy host (~1 GB/s) that rounding alone is ~5%
         assert gbs == pytest.approx(mb / ms, rel=0.02, abs=0.051)
+
+
+def test_write_json_makes_its_directories_and_replaces_the_record_whole(tmp_path):
+    """A record is written to a temporary file and renamed over the old one: a reader sees the old
+    record or the new one, and no temporary file is left."""
+    path = tmp_path / "a" / "b" / "r.json"
+    write_json(str(path), {"rows": [1]})
+    write_json(str(path), {"rows": [1, 2]})
+    assert json.loads(path.read_text()) == {"rows": [1, 2]} and [p.name for p in path.parent.iterdir()] == ["r.json"]
+    write_json(None, {"rows": []})  # no --json: nothing written, no error
