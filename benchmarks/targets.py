@@ -28,7 +28,8 @@ it is weak); the other benchmarks do not read their rates twice, so they are nev
   python benchmarks/targets.py --device cuda --targets 1,2,4,7
   python benchmarks/targets.py --out targets-zen5 --resume  # after a stop: the runs that did not finish
 
-Writes into --out: targets.md (the card), targets.json (its cells), and each run's JSON and log.
+Writes into --out: targets.md (the card), targets.json (its cells), targets.png (each judged cell
+against its limit), and each run's JSON and log.
 Exit status: 0 when every run finished (whatever the verdicts), 1 when one failed, 2 on bad
 arguments (an --out holding a card is refused without --resume: nothing is overwritten), 130 when
 stopped by Ctrl-C.
@@ -90,6 +91,7 @@ class Cell:
     met: bool | None  # None: not judged (target 7's ratios, a failed run, a target not run here)
     note: str = ""
     status: str = ""  # instead of the verdict: "failed", "not run"
+    margin: float | None = None  # the reading over its limit: 1.0 is at the limit, above is not met (the plot)
 
     @property
     def verdict(self) -> str:
@@ -174,12 +176,11 @@ def decode_cells(record: dict, targets: tuple[int, ...]) -> list[Cell]:
             shown = f"{x:.2f}{_flag(row)}x roofline ({row['ms']:.1f} ms; {row['tokens']})"
             if 1 in targets and b["batch"] == 1 and row["name"] in GRAPH_MODES:
                 limit = DECODE_LIMIT[dtype]
-                cells.append(Cell(1, f"{short} batch 1, {mode}", shown, f"<= {limit}", x <= limit))
+                cells.append(Cell(1, f"{short} batch 1, {mode}", shown, f"<= {limit}", x <= limit, margin=x / limit))
             if 2 in targets:
                 note = "weights as stored, no packed copy" if mode == "eager" else ""
-                cells.append(
-                    Cell(2, f"{short} batch {b['batch']}, {mode}", shown, f"<= {BATCH_LIMIT}", x <= BATCH_LIMIT, note)
-                )
+                cell = f"{short} batch {b['batch']}, {mode}"
+                cells.append(Cell(2, cell, shown, f"<= {BATCH_LIMIT}", x <= BATCH_LIMIT, note, margin=x / BATCH_LIMIT))
     return cells
 
 
@@ -195,7 +196,8 @@ def attention_cells(record: dict, targets: tuple[int, ...] = ()) -> list[Cell]:
             mode = MODE_LABEL.get(s["mode"], s["mode"])
             ratio = s["ms"] / base[s["mode"]]
             shown = f"{ratio:.2f}x ({s['ms']:.1f} ms at {longest} slots, position {record['position']})"
-            cells.append(Cell(3, f"{mode}, {longest} vs {shortest} slots", shown, f"<= {KV_LIMIT}", ratio <= KV_LIMIT))
+            cell = f"{mode}, {longest} vs {shortest} slots"
+            cells.append(Cell(3, cell, shown, f"<= {KV_LIMIT}", ratio <= KV_LIMIT, margin=ratio / KV_LIMIT))
     return cells
 
 
@@ -206,13 +208,13 @@ def prefill_cells(record: dict, targets: tuple[int, ...] = ()) -> list[Cell]:
         ours, peer = row["sides"]["ours"], row["sides"].get("transformers eager")
         x = ours["ms"] / row["roof_ms"]
         shown = f"{x:.2f}x roofline ({ours['ms']:.1f} ms)"
-        met = x <= PREFILL_LIMIT
+        met, margin = x <= PREFILL_LIMIT, x / PREFILL_LIMIT
         if peer:
             speedup = peer["ms"] / ours["ms"]
             shown += f", {speedup:.2f}x transformers' speed"
-            met = met and speedup > 1.0
+            met, margin = met and speedup > 1.0, max(margin, 1.0 / speedup)  # the nearer of the two limits
         limit = f"<= {PREFILL_LIMIT}, faster than transformers"
-        cells.append(Cell(4, f"{short} prefill, {row['tokens']} tokens", shown, limit, met))
+        cells.append(Cell(4, f"{short} prefill, {row['tokens']} tokens", shown, limit, met, margin=margin))
     return cells
 
 
@@ -221,7 +223,8 @@ def moe_cells(record: dict, targets: tuple[int, ...] = ()) -> list[Cell]:
     row = next(r for r in record["batches"][0]["rows"] if r["name"] == "ours eager")
     speedup = row["vs_peers"][HF_EAGER]
     shown = f"{speedup:.2f}x transformers' speed ({row['ms']:.1f} ms)"
-    return [Cell(5, f"MoE eager, {record['size']}, 1 layer", shown, ">= 1.0", speedup >= 1.0)]
+    cell = f"MoE eager, {record['size']}, 1 layer"
+    return [Cell(5, cell, shown, ">= 1.0", speedup >= 1.0, margin=1.0 / speedup)]
 
 
 def load_cells(record: dict, targets: tuple[int, ...] = ()) -> list[Cell]:
@@ -232,10 +235,12 @@ def load_cells(record: dict, targets: tuple[int, ...] = ()) -> list[Cell]:
         x = row["loaded_ms"] / row["idle_ms"]
         shown = f"{x:.1f}x idle ({row['idle_ms']:.1f} -> {row['loaded_ms']:.1f} ms)"
         mode = MODE_LABEL.get(row["mode"], row["mode"])
-        cells.append(Cell(6, f"{where}, {mode} under load", shown, f"<= {LOAD_LIMIT}", x <= LOAD_LIMIT))
+        cell = f"{where}, {mode} under load"
+        cells.append(Cell(6, cell, shown, f"<= {LOAD_LIMIT}", x <= LOAD_LIMIT, margin=x / LOAD_LIMIT))
     for r in record.get("sk_over_ge_graph", []):
         shown = f"{r['median']:.2f} (median of the per-round ratios)"
-        cells.append(Cell(6, f"{where}, SK decoder / ge_graph under load", shown, "<= 1.0", r["median"] <= 1.0))
+        cell = f"{where}, SK decoder / ge_graph under load"
+        cells.append(Cell(6, cell, shown, "<= 1.0", r["median"] <= 1.0, margin=r["median"]))
     return cells
 
 
@@ -307,6 +312,34 @@ def _quote(word: str) -> str:
 def save(card: Card, out: Path) -> None:
     (out / "targets.md").write_text(markdown(card), encoding="utf-8")
     write_json(str(out / "targets.json"), asdict(card))
+    plot(card, out / "targets.png")
+
+
+def plot(card: Card, path: Path) -> None:
+    """targets.png: each judged cell's reading over its limit, one bar each, the limit at 1.0. Why a
+    picture: the card's 45 rows say met or not; the bars show how near each cell is to its limit,
+    which is what tells a regression from noise on the next run."""
+    cells = [c for c in sorted(card.cells, key=lambda c: c.target) if c.margin is not None]
+    if not cells:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.24 * len(cells)))
+    ys = range(len(cells))[::-1]
+    colors = ["tab:green" if c.met else "tab:red" for c in cells]
+    ax.barh(list(ys), [c.margin for c in cells], color=colors, height=0.7)
+    ax.axvline(1.0, color="k", linestyle="--", linewidth=1)
+    ax.set_ylim(-0.6, len(cells) - 0.4)
+    ax.set_yticks(list(ys), [f"{c.target}: {c.cell}{'  ?' if '?x' in c.reading else ''}" for c in cells], fontsize=7)
+    ax.set_xlabel("reading / limit (1.0 = at the limit; red: not met; ?: a rate moved > 15%)")
+    ax.set_title(f"Issue 13 targets: {card.machine}", fontsize=9)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the long cell names whole
+    plt.close(fig)
 
 
 def run_one(run: Run, out: Path) -> None:

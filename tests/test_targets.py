@@ -51,6 +51,9 @@ def test_decode_cells_judge_batch_one_by_dtype_and_every_batch_at_1_3():
         (2, "bf16 batch 1, ge_graph + SK decoder"): True,
         (2, "bf16 batch 16, ge_graph"): False,  # 1.31 > 1.3
     }
+    margins = {c.cell: c.margin for c in targets.decode_cells(record, (1,))}  # the plot's bar: reading / limit
+    assert margins["bf16 batch 1, ge_graph"] == pytest.approx(1.19 / 1.2)
+    assert margins["bf16 batch 1, ge_graph + SK decoder"] == pytest.approx(1.21 / 1.2)
     fp32 = targets.decode_cells(decode_record("float32", {(1, "ge_graph"): 1.15}), (1,))
     assert [(c.cell, c.met) for c in fp32] == [("fp32 batch 1, ge_graph", False)]  # fp32's limit is 1.1
     flagged = next(c for c in targets.decode_cells(record, (2,)) if c.cell == "bf16 batch 16, ge_graph")
@@ -78,6 +81,8 @@ def test_attention_prefill_moe_and_load_cells():
     pre = targets.prefill_cells({"dtype": "float32", "rows": rows})
     # within 1.5x and faster / within but slower than transformers / faster but past 1.5x
     assert [c.met for c in pre] == [True, False, False]
+    # the nearer limit: 140/100 of 1.5; slower than transformers (130 / 140); 160/100 of 1.5
+    assert [c.margin for c in pre] == pytest.approx([1.4 / 1.5, 140 / 130, 1.6 / 1.5])
     moe = {"size": "qwen3-30b-a3b-shallow", "batches": [{"rows": [{"name": "ours eager", "ms": 9.0,
            "vs_peers": {targets.HF_EAGER: 0.97}}]}]}  # fmt: skip
     assert [c.met for c in targets.moe_cells(moe)] == [False]
@@ -180,6 +185,7 @@ def test_a_quick_run_writes_the_card_from_the_benchmarks_records(tmp_path):
     prefill = json.loads((tmp_path / "prefill-float32.json").read_text())
     assert set(prefill["rows"][0]["sides"]) == {"ours", "transformers eager"}
     assert (tmp_path / "targets.md").read_text().startswith("# Issue 13 targets: ")
+    assert (tmp_path / "targets.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # each cell against its limit
 
 
 def test_resume_keeps_the_earlier_cards_finished_runs_and_only_those(tmp_path, capsys):
