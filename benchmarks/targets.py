@@ -278,10 +278,10 @@ def failed(run: Run, log: Path, targets: tuple[int, ...]) -> list[Cell]:
 
 def markdown(card: Card) -> str:
     """The card as markdown: the machine, the table, what was not met, and the commands."""
-    lines = [f"# Issue 13 targets: {card.machine}", "", f"`{card.command}`" + (" (--quick: a look, not a verdict)"
-             if card.quick else ""), ""]  # fmt: skip
+    head = f"`{card.command}`" + (" (--quick: a look, not a verdict)" if card.quick else "")
+    lines = [f"# Issue 13 targets: {card.machine}", "", head, ""]
     if card.stopped:
-        lines += [f"**Stopped: {card.stopped}.** The cells below are the runs that finished.", ""]
+        lines += [f"**Stopped: {card.stopped}.** The cells below are what finished before it.", ""]
     lines += ["| target | cell | reading | limit | verdict |", "|---|---|---|---|---|"]
     for c in sorted(card.cells, key=lambda c: c.target):
         note = f" ({c.note})" if c.note else ""
