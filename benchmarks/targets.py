@@ -24,9 +24,13 @@ it is weak); the other benchmarks do not read their rates twice, so they are nev
 
   python benchmarks/targets.py                          # every target: about an hour on 2 cores
   python benchmarks/targets.py --targets 1,2 --dtypes bfloat16
-  python benchmarks/targets.py --quick                  # minutes: fewer steps, rounds, lengths; a look
+  python benchmarks/targets.py --quick --batches 1      # fewer steps, rounds, lengths; a look
   python benchmarks/targets.py --device cuda --targets 1,2,4,7
   python benchmarks/targets.py --out targets-zen5 --resume  # after a stop: the runs that did not finish
+
+--quick cuts the timed steps, not the compiles: each batch of a decode run still compiles its graph
+modes, so a --quick decode run at the 0.6B size took 10.6 min of the full run's 12.4 on 2 cores
+(BENCHMARKS.md, "seventieth pass"); fewer --batches is what shortens it.
 
 Writes into --out: targets.md (the card), targets.json (its cells), targets.png (each judged cell
 against its limit), and each run's JSON and log.
@@ -416,7 +420,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--moe-size", default="qwen3-30b-a3b-shallow", help="target 5's MoE shape (one layer of it)")
     p.add_argument("--overhead-size", default="bench-overhead", help="target 7's size (an overhead-bound one)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the runs time (default cpu)")
-    p.add_argument("--quick", action="store_true", help="fewer steps, rounds and lengths: minutes, not an hour")
+    p.add_argument(
+        "--quick", action="store_true", help="fewer steps, rounds and lengths (every compile stays: see --batches)"
+    )
     p.add_argument("--out", help="directory for the card and each run's JSON and log (default: targets-<time>)")
     p.add_argument(
         "--resume", action="store_true", help="--out holds an earlier card: keep its finished runs, run the rest"
@@ -458,7 +464,7 @@ def main(argv=None) -> int:
     card = Card(machine, command.strip(), args.quick, cells=skipped(args))
     runs = plan(args)
     total = sum(r.minutes for r in runs)
-    settings = "--quick settings (much less)" if args.quick else "full settings on 2 cores"
+    settings = "full settings on 2 cores" + (" (--quick: shorter, the compiles stay)" if args.quick else "")
     print(f"# targets {','.join(map(str, args.targets))} on {machine}: {len(runs)} runs, about {total:.0f} min at "
           f"{settings}; writing {out}/", flush=True)  # fmt: skip
     earlier = finished_runs(out) if args.resume else {}
