@@ -96,6 +96,7 @@ class Cell:
     note: str = ""
     status: str = ""  # instead of the verdict: "failed", "not run"
     margin: float | None = None  # the reading over its limit: 1.0 is at the limit, above is not met (the plot)
+    unsteady: bool = False  # a rate moved by more than 15% during the reading (decode_bench's flag): "?"
 
     @property
     def verdict(self) -> str:
@@ -166,10 +167,6 @@ def skipped(args) -> list[Cell]:
     ]
 
 
-def _flag(row: dict) -> str:
-    return "?" if row.get("unsteady") else ""
-
-
 def decode_cells(record: dict, targets: tuple[int, ...]) -> list[Cell]:
     """Targets 1 and 2 from one decode_bench record (one dtype, each batch)."""
     dtype, cells = record["dtype"], []
@@ -177,14 +174,17 @@ def decode_cells(record: dict, targets: tuple[int, ...]) -> list[Cell]:
     for b in record["batches"]:
         for row in b["rows"]:
             x, mode = row["x_roofline"], row["name"].removeprefix("ours ")
-            shown = f"{x:.2f}{_flag(row)}x roofline ({row['ms']:.1f} ms; {row['tokens']})"
+            flag = row["unsteady"]
+            shown = f"{x:.2f}{'?' * flag}x roofline ({row['ms']:.1f} ms; {row['tokens']})"
             if 1 in targets and b["batch"] == 1 and row["name"] in GRAPH_MODES:
                 limit = DECODE_LIMIT[dtype]
-                cells.append(Cell(1, f"{short} batch 1, {mode}", shown, f"<= {limit}", x <= limit, margin=x / limit))
+                cell = f"{short} batch 1, {mode}"
+                cells.append(Cell(1, cell, shown, f"<= {limit}", x <= limit, margin=x / limit, unsteady=flag))
             if 2 in targets:
                 note = "weights as stored, no packed copy" if mode == "eager" else ""
                 cell = f"{short} batch {b['batch']}, {mode}"
-                cells.append(Cell(2, cell, shown, f"<= {BATCH_LIMIT}", x <= BATCH_LIMIT, note, margin=x / BATCH_LIMIT))
+                met, margin = x <= BATCH_LIMIT, x / BATCH_LIMIT
+                cells.append(Cell(2, cell, shown, f"<= {BATCH_LIMIT}", met, note, margin=margin, unsteady=flag))
     return cells
 
 
@@ -337,7 +337,7 @@ def plot(card: Card, path: Path) -> None:
     ax.barh(list(ys), [c.margin for c in cells], color=colors, height=0.7)
     ax.axvline(1.0, color="k", linestyle="--", linewidth=1)
     ax.set_ylim(-0.6, len(cells) - 0.4)
-    ax.set_yticks(list(ys), [f"{c.target}: {c.cell}{'  ?' if '?x' in c.reading else ''}" for c in cells], fontsize=7)
+    ax.set_yticks(list(ys), [f"{c.target}: {c.cell}{'  ?' * c.unsteady}" for c in cells], fontsize=7)
     ax.set_xlabel("reading / limit (1.0 = at the limit; red: not met; ?: a rate moved > 15%)")
     ax.set_title(f"Issue 13 targets: {card.machine}", fontsize=9)
     ax.grid(axis="x", alpha=0.3)
@@ -376,14 +376,12 @@ def cells_of(run: Run, out: Path, targets: tuple[int, ...]) -> list[Cell]:
     record has (decode_bench and prefill_bench write theirs as they go), each noted, beside a
     failed cell saying why the rest is missing."""
     record = out / f"{run.name}.json"
+    cells = JUDGES[run.reads](json.loads(record.read_text(encoding="utf-8")), targets) if record.is_file() else []
     if run.rc == 0 and record.is_file():
-        return JUDGES[run.reads](json.loads(record.read_text(encoding="utf-8")), targets)
-    lost = failed(run, out / f"{run.name}.log", targets)
-    if not record.is_file():
-        return lost
+        return cells
     said = f"its run ended with exit {run.rc}"
-    cells = JUDGES[run.reads](json.loads(record.read_text(encoding="utf-8")), targets)
-    return [replace(c, note=f"{c.note}; {said}" if c.note else said) for c in cells] + lost
+    cells = [replace(c, note=f"{c.note}; {said}" if c.note else said) for c in cells]
+    return cells + failed(run, out / f"{run.name}.log", targets)
 
 
 def finished_runs(out: Path) -> dict[str, dict]:
