@@ -27,13 +27,16 @@ it is weak); the other benchmarks do not read their rates twice, so they are nev
   python benchmarks/targets.py --quick --batches 1      # fewer steps, rounds, lengths; a look
   python benchmarks/targets.py --device cuda --targets 1,2,4,7
   python benchmarks/targets.py --out targets-zen5 --resume  # after a stop: the runs that did not finish
+  python benchmarks/targets.py --compare targets-before targets-after --plot compare.png  # measures nothing
 
 --quick cuts the timed steps, not the compiles: each batch of a decode run still compiles its graph
 modes, so a --quick decode run at the 0.6B size took 10.6 min of the full run's 12.4 on 2 cores
 (BENCHMARKS.md, "seventieth pass"); fewer --batches is what shortens it.
 
 Writes into --out: targets.md (the card), targets.json (its cells), targets.png (each judged cell
-against its limit), and each run's JSON and log.
+against its limit), and each run's JSON and log. --compare reads two such directories (a change
+checked by running the targets before and after it) and prints which cells crossed their limit or
+moved by more than 10%, judged again from each card's records (benchmarks/target_compare.py).
 Exit status: 0 when every run finished (whatever the verdicts), 1 when one failed, 2 on bad
 arguments (an --out holding a card is refused without --resume: nothing is overwritten), 130 when
 stopped by Ctrl-C.
@@ -126,7 +129,8 @@ def plan(args) -> list[Run]:
         for dtype in args.dtypes:
             argv = [*dense, "--plans", "decoder", "--dtype", dtype, "--batch", batches, "--steps", steps]
             argv += ["--no-hf", "--rounds", rounds]
-            runs.append(Run(f"decode-{dtype}", (1, 2), "decode_bench.py", argv, "decode", 12))
+            minutes = 1 + 2.8 * len(asked)  # each batch compiles both graph modes: 3.5 min for 1, 12.4 for 4
+            runs.append(Run(f"decode-{dtype}", (1, 2), "decode_bench.py", argv, "decode", minutes))
     if 3 in args.targets and args.device == "cpu":
         lengths, position = ("256,2048", "255") if q else ("2048,16384", "2047")
         for mode in ("ge_graph", "decoder"):
@@ -425,7 +429,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--resume", action="store_true", help="--out holds an earlier card: keep its finished runs, run the rest"
     )
+    p.add_argument(
+        "--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="two --out directories: print their cells side by side"
+    )
+    p.add_argument("--plot", help="with --compare: draw each cell's margin before and after into this PNG")
     args = p.parse_args(argv)
+    if args.compare and (args.out or args.resume):
+        p.error("--compare measures nothing and writes no card: --out and --resume do not apply (--plot FILE does)")
+    if args.plot and not args.compare:
+        p.error("--plot: only with --compare (a measuring run draws targets.png into --out)")
     for name in ("targets", "dtypes", "batches"):  # a value given twice is measured once
         setattr(args, name, list(dict.fromkeys(getattr(args, name))))
     card = Path(args.out) / "targets.json" if args.out else None
@@ -444,8 +456,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def compare(args) -> int:
+    """--compare: the two cards side by side (printed), and --plot's picture; exit 2 on a path that is
+    not a card."""
+    from benchmarks import target_compare
+
+    try:
+        before, after = (target_compare.load(path) for path in args.compare)
+        print(target_compare.markdown(before, after), end="")
+        if args.plot:
+            target_compare.plot(before, after, Path(args.plot))
+            print(f"plot: {args.plot}")
+    except target_compare.CardError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.compare:
+        return compare(args)
     asked = tuple(args.targets)
     from executor.arch import named_size
     from executor.platform import cpu_kind, detect

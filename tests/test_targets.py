@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -294,3 +295,65 @@ def test_an_out_that_is_a_file_or_holds_a_card_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         targets.parse_args(["--out", str(tmp_path)])
     assert exc.value.code == 2 and "holds a card already: --resume to keep its finished runs" in capsys.readouterr().err
+
+
+def card_dir(path, machine: str, x: dict[tuple[int, str], float]):
+    """A card directory as targets.py leaves it: targets.json and the decode run's record. Its stored
+    cells have no margins, as the cards written before the plot: --compare judges the records again."""
+    run = targets.Run("decode-bfloat16", (1, 2), "decode_bench.py", [], "decode", 12, rc=0, seconds=60.0)
+    record = decode_record("bfloat16", x)
+    card = targets.Card(machine, "python benchmarks/targets.py", quick=False, runs=[run])
+    card.cells = [replace(c, margin=None) for c in targets.decode_cells(record, (1, 2))]
+    path.mkdir()
+    targets.save(card, path)
+    (path / "decode-bfloat16.json").write_text(json.dumps(record))
+    return path
+
+
+def test_compare_names_the_crossings_the_moves_and_the_cells_only_one_card_has(tmp_path, capsys):
+    before = card_dir(tmp_path / "a", "cpu A", {(1, "ge_graph"): 1.19, (16, "ge_graph"): 1.25, (4, "eager"): 1.35})
+    after = card_dir(tmp_path / "b", "cpu A", {(1, "ge_graph"): 1.21, (16, "ge_graph"): 1.10, (64, "ge_graph"): 1.2})
+    png = tmp_path / "c.png"
+    assert targets.main(["--compare", str(before), str(after / "targets.json"), "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "Machine: cpu A." in text and "Different machines" not in text
+    # 1.21 / 1.19 of target 1's 1.2: past the limit, but a move of 1.7%, inside the noise
+    assert "| 1 | bf16 batch 1, ge_graph | 1.19x roofline" in text and "| 1.017 | **now not met** |" in text
+    assert "Crossed their limit: 1: bf16 batch 1, ge_graph (now not met)." in text
+    assert "Moved by more than 10%: 2: bf16 batch 16, ge_graph (0.88, better)." in text
+    assert "| 2 | bf16 batch 1, ge_graph | 1.19x roofline (11.9 ms; same tokens) | 1.21x" in text  # met both
+    assert "Only before (1): 2: bf16 batch 4, eager." in text and "Only after (1): 2: bf16 batch 64, ge_graph." in text
+    assert "3 cells in both cards" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    other = card_dir(tmp_path / "c", "cpu B", {(1, "ge_graph"): 1.0})
+    assert targets.main(["--compare", str(before), str(other)]) == 0
+    assert "**Different machines** (cpu A; cpu B)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--compare", "a", "b", "--out", "c"], "--compare measures nothing and writes no card"),
+        (["--plot", "x.png"], "--plot: only with --compare"),
+    ],
+)
+def test_compare_options_that_do_not_apply_are_refused(argv, said, capsys):
+    with pytest.raises(SystemExit) as exc:
+        targets.parse_args(argv)
+    assert exc.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_compare_with_a_path_that_is_not_a_card_is_one_line(tmp_path, capsys):
+    card = card_dir(tmp_path / "a", "cpu A", {(1, "ge_graph"): 1.1})
+    assert targets.main(["--compare", str(card), str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {tmp_path / 'missing'}: no targets card (targets.json); name the --out directory of a"
+                   " targets.py run"]  # fmt: skip
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "targets.json").write_text("{}")
+    assert targets.main(["--compare", str(card), str(tmp_path / "bad")]) == 2
+    assert "targets.json: not a targets card (KeyError" in capsys.readouterr().err
+    empty = card_dir(tmp_path / "e", "cpu A", {(1, "ge_graph"): 1.1})
+    (empty / "decode-bfloat16.json").unlink()  # no record: nothing judged, nothing in both
+    assert targets.main(["--compare", str(card), str(empty), "--plot", str(tmp_path / "p.png")]) == 2
+    assert "no judged cell is in both cards: nothing to plot" in capsys.readouterr().err

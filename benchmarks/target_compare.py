@@ -1,0 +1,140 @@
+"""Two target cards side by side (`python benchmarks/targets.py --compare BEFORE AFTER`): which cells
+crossed their limit, which moved by more than the noise, and which only one card has.
+
+Why: a change to a kernel or a runner default is checked by running the targets again, and two
+51-row cards are not read side by side by eye. The seventieth pass's card read bf16 batch 1 at
+1.12x / 1.19x where the sixty-eighth pass's sweep had read 1.06x / 1.07x; the question "did a
+commit in between cost 5%?" needs exactly this table (BENCHMARKS.md, "seventy-first pass").
+
+Each card's cells are judged again from the run records in its directory, with this tree's judges,
+so a card written before a judge changed (the margin field came after the first cards) compares on
+the same terms; a run without a record keeps nothing. A cell's margin is its reading over its limit
+(1.0 at the limit, lower is better, for every target), so the change is after / before of margins.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.targets import JUDGES, Cell
+
+NOISE = 0.10  # a margin that moved by more than this is listed as moved (decode_bench's `?` is 15% of a rate)
+
+
+@dataclass
+class Side:
+    """One card: where it is, its machine, and its cells by (target, cell name)."""
+
+    path: Path
+    machine: str
+    cells: dict[tuple[int, str], Cell]
+
+
+class CardError(ValueError):
+    """A path that is not a targets card: its one line."""
+
+
+def load(path: str) -> Side:
+    """The card in `path` (its directory, or its targets.json), its cells judged again from its records."""
+    where = Path(path)
+    where = where.parent if where.name == "targets.json" else where
+    card_file = where / "targets.json"
+    if not card_file.is_file():
+        raise CardError(f"{path}: no targets card (targets.json); name the --out directory of a targets.py run")
+    try:
+        card = json.loads(card_file.read_text(encoding="utf-8"))
+        runs, machine = card["runs"], card["machine"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CardError(f"{card_file}: not a targets card ({type(exc).__name__}: {exc})") from None
+    # the targets that card asked for: its cells name them (a decode run reads 1 and 2, asked or not)
+    asked = tuple(sorted({c["target"] for c in card.get("cells", [])} or {t for r in runs for t in r["targets"]}))
+    cells: dict[tuple[int, str], Cell] = {}
+    for run in runs:
+        record = where / f"{run['name']}.json"
+        if run.get("reads") not in JUDGES or not record.is_file():
+            continue
+        for cell in JUDGES[run["reads"]](json.loads(record.read_text(encoding="utf-8")), asked):
+            cells[(cell.target, cell.cell)] = cell
+    return Side(where, machine, cells)
+
+
+def change(before: Cell, after: Cell) -> float | None:
+    """after / before of the two margins (below 1: nearer the limit's good side), None where either
+    has no margin (target 7's ratios are reported, not judged)."""
+    if before.margin is None or after.margin is None:
+        return None
+    return after.margin / before.margin
+
+
+def _verdict(before: Cell, after: Cell) -> str:
+    if before.met is None or after.met is None or before.met == after.met:
+        return after.verdict.replace("**", "")
+    return "**now met**" if after.met else "**now not met**"
+
+
+def markdown(before: Side, after: Side, noise: float = NOISE) -> str:
+    """The comparison as markdown: a row per cell both cards have, then the crossings, the moves past
+    `noise`, and the cells only one card has."""
+    lines = [f"# Targets: {after.path} against {before.path}", ""]
+    if before.machine != after.machine:
+        lines += [f"**Different machines** ({before.machine}; {after.machine}): these ratios compare two kinds,"
+                  " not a change.", ""]  # fmt: skip
+    else:
+        lines += [f"Machine: {after.machine}.", ""]
+    lines += ["| target | cell | before | after | after / before (margin) | verdict |", "|---|---|---|---|---|---|"]
+    both = [k for k in after.cells if k in before.cells]
+    moved, crossed = [], []
+    for key in sorted(both, key=lambda k: k[0]):
+        b, a = before.cells[key], after.cells[key]
+        ratio = change(b, a)
+        shown = "-" if ratio is None else f"{ratio:.3f}"
+        if ratio is not None and abs(ratio - 1.0) > noise:
+            moved.append(f"{key[0]}: {key[1]} ({ratio:.2f}, {'worse' if ratio > 1 else 'better'})")
+            shown = f"**{shown}**"
+        if b.met is not None and a.met is not None and b.met != a.met:
+            crossed.append(f"{key[0]}: {key[1]} ({'now met' if a.met else 'now not met'})")
+        lines.append(f"| {key[0]} | {key[1]} | {b.reading} | {a.reading} | {shown} | {_verdict(b, a)} |")
+    lines += ["", f"{len(both)} cells in both cards; margin = reading / limit, so above 1.000 is worse."]
+    lines.append("Crossed their limit: " + ("; ".join(crossed) if crossed else "none") + ".")
+    lines.append(f"Moved by more than {noise:.0%}: " + ("; ".join(moved) if moved else "none") + ".")
+    for side, other, name in ((before, after, "before"), (after, before, "after")):
+        only = sorted(k for k in side.cells if k not in other.cells)
+        if len(only) > 6:  # a card of fewer targets against a whole one: counts, not 40 names
+            per = {t: sum(1 for k in only if k[0] == t) for t in sorted({k[0] for k in only})}
+            lines.append(f"Only {name} ({len(only)}): " + ", ".join(f"{n} of target {t}" for t, n in per.items()) + ".")
+        elif only:
+            lines.append(f"Only {name} ({len(only)}): " + "; ".join(f"{t}: {c}" for t, c in only) + ".")
+    lines.append("One run each side: a move inside the cards' own spread (`?`, or the passes' noise in"
+                 " BENCHMARKS.md) is not a change until it repeats.")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def plot(before: Side, after: Side, path: Path) -> None:
+    """Each cell both cards judged: its margin before (grey) and after (green met, red not), joined,
+    the limit at 1.0. Why a picture: a change that moves many cells a little reads as a slope here."""
+    keys = sorted((k for k in after.cells if k in before.cells and change(before.cells[k], after.cells[k])),
+                  key=lambda k: k[0])  # fmt: skip
+    if not keys:
+        raise CardError("no judged cell is in both cards: nothing to plot")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.24 * len(keys)))
+    for y, key in zip(range(len(keys))[::-1], keys):
+        b, a = before.cells[key].margin, after.cells[key].margin
+        ax.plot([b, a], [y, y], color="0.7", linewidth=1.5, zorder=1)
+        ax.scatter([b], [y], color="0.55", s=18, zorder=2)
+        ax.scatter([a], [y], color="tab:green" if after.cells[key].met else "tab:red", s=22, zorder=3)
+    ax.axvline(1.0, color="k", linestyle="--", linewidth=1)
+    ax.set_yticks(list(range(len(keys)))[::-1], [f"{t}: {c}" for t, c in keys], fontsize=7)
+    ax.set_ylim(-0.6, len(keys) - 0.4)
+    ax.set_xlabel("reading / limit (1.0 = at the limit); grey: before, colour: after (green met, red not)")
+    ax.set_title(f"{after.path.name} against {before.path.name}", fontsize=9)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
