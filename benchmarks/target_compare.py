@@ -30,6 +30,7 @@ class Side:
     path: Path
     machine: str
     cells: dict[tuple[int, str], Cell]
+    argv: dict[str, list[str]]  # each run's arguments, by run name
 
 
 class CardError(ValueError):
@@ -57,7 +58,31 @@ def load(path: str) -> Side:
             continue
         for cell in JUDGES[run["reads"]](json.loads(record.read_text(encoding="utf-8")), asked):
             cells[(cell.target, cell.cell)] = cell
-    return Side(where, machine, cells)
+    return Side(where, machine, cells, {r["name"]: list(r.get("argv", [])) for r in runs})
+
+
+def _flags(argv: list[str]) -> dict[str, str]:
+    """--flag value pairs of a run's arguments ("" for a flag without a value)."""
+    flags, key = {}, None
+    for word in argv:
+        if word.startswith("--"):
+            key = word
+            flags[key] = ""
+        elif key is not None:
+            flags[key] = f"{flags[key]} {word}".strip()
+    return flags
+
+
+def other_settings(before: Side, after: Side) -> list[str]:
+    """The runs both cards have whose arguments differ, each with the flags that differ: another
+    --size or --quick makes a cell of the same name another measurement."""
+    said = []
+    for name in (n for n in after.argv if n in before.argv and after.argv[n] != before.argv[n]):
+        b, a = _flags(before.argv[name]), _flags(after.argv[name])
+        diff = [f"{k} {b.get(k, '(none)') or '(set)'} -> {a.get(k, '(none)') or '(set)'}"
+                for k in dict.fromkeys([*b, *a]) if b.get(k) != a.get(k)]  # fmt: skip
+        said.append(f"{name}: {', '.join(diff)}")
+    return said
 
 
 def change(before: Cell, after: Cell) -> float | None:
@@ -83,6 +108,10 @@ def markdown(before: Side, after: Side, noise: float = NOISE) -> str:
                   " not a change.", ""]  # fmt: skip
     else:
         lines += [f"Machine: {after.machine}.", ""]
+    if settings := other_settings(before, after):
+        lines += ["**Runs with other arguments** (another --size or --quick measures something else under the same"
+                  " cell names):"]  # fmt: skip
+        lines += [f"- {line}" for line in settings] + [""]
     lines += ["| target | cell | before | after | after / before (margin) | verdict |", "|---|---|---|---|---|---|"]
     both = [k for k in after.cells if k in before.cells]
     moved, crossed = [], []

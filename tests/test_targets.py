@@ -297,10 +297,10 @@ def test_an_out_that_is_a_file_or_holds_a_card_is_refused(tmp_path, capsys):
     assert exc.value.code == 2 and "holds a card already: --resume to keep its finished runs" in capsys.readouterr().err
 
 
-def card_dir(path, machine: str, x: dict[tuple[int, str], float]):
+def card_dir(path, machine: str, x: dict[tuple[int, str], float], argv=("--size", "qwen3-0.6b")):
     """A card directory as targets.py leaves it: targets.json and the decode run's record. Its stored
     cells have no margins, as the cards written before the plot: --compare judges the records again."""
-    run = targets.Run("decode-bfloat16", (1, 2), "decode_bench.py", [], "decode", 12, rc=0, seconds=60.0)
+    run = targets.Run("decode-bfloat16", (1, 2), "decode_bench.py", list(argv), "decode", 12, rc=0, seconds=60.0)
     record = decode_record("bfloat16", x)
     card = targets.Card(machine, "python benchmarks/targets.py", quick=False, runs=[run])
     card.cells = [replace(c, margin=None) for c in targets.decode_cells(record, (1, 2))]
@@ -316,7 +316,7 @@ def test_compare_names_the_crossings_the_moves_and_the_cells_only_one_card_has(t
     png = tmp_path / "c.png"
     assert targets.main(["--compare", str(before), str(after / "targets.json"), "--plot", str(png)]) == 0
     text = capsys.readouterr().out
-    assert "Machine: cpu A." in text and "Different machines" not in text
+    assert "Machine: cpu A." in text and "Different machines" not in text and "other arguments" not in text
     # 1.21 / 1.19 of target 1's 1.2: past the limit, but a move of 1.7%, inside the noise
     assert "| 1 | bf16 batch 1, ge_graph | 1.19x roofline" in text and "| 1.017 | **now not met** |" in text
     assert "Crossed their limit: 1: bf16 batch 1, ge_graph (now not met)." in text
@@ -325,9 +325,11 @@ def test_compare_names_the_crossings_the_moves_and_the_cells_only_one_card_has(t
     assert "Only before (1): 2: bf16 batch 4, eager." in text and "Only after (1): 2: bf16 batch 64, ge_graph." in text
     assert "3 cells in both cards" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    other = card_dir(tmp_path / "c", "cpu B", {(1, "ge_graph"): 1.0})
+    other = card_dir(tmp_path / "c", "cpu B", {(1, "ge_graph"): 1.0}, argv=("--size", "debugmodel", "--no-hf"))
     assert targets.main(["--compare", str(before), str(other)]) == 0
-    assert "**Different machines** (cpu A; cpu B)" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "**Different machines** (cpu A; cpu B)" in text
+    assert "- decode-bfloat16: --size qwen3-0.6b -> debugmodel, --no-hf (none) -> (set)" in text
 
 
 @pytest.mark.parametrize(
