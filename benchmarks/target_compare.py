@@ -31,6 +31,7 @@ class Side:
     machine: str
     cells: dict[tuple[int, str], Cell]
     argv: dict[str, list[str]]  # each run's arguments, by run name
+    tree: str = ""  # the commit the card measured ("" on cards before it was recorded)
 
 
 class CardError(ValueError):
@@ -58,7 +59,7 @@ def load(path: str) -> Side:
             continue
         for cell in JUDGES[run["reads"]](json.loads(record.read_text(encoding="utf-8")), asked):
             cells[(cell.target, cell.cell)] = cell
-    return Side(where, machine, cells, {r["name"]: list(r.get("argv", [])) for r in runs})
+    return Side(where, machine, cells, {r["name"]: list(r.get("argv", [])) for r in runs}, card.get("tree", ""))
 
 
 def _flags(argv: list[str]) -> dict[str, str]:
@@ -103,6 +104,8 @@ def markdown(before: Side, after: Side, noise: float = NOISE) -> str:
     """The comparison as markdown: a row per cell both cards have, then the crossings, the moves past
     `noise`, and the cells only one card has."""
     lines = [f"# Targets: {after.path} against {before.path}", ""]
+    trees = [f"{name} {side.tree or 'not recorded'}" for name, side in (("before", before), ("after", after))]
+    lines += [f"Trees: {'; '.join(trees)}.", ""]
     if before.machine != after.machine:
         lines += [f"**Different machines** ({before.machine}; {after.machine}): these ratios compare two kinds,"
                   " not a change.", ""]  # fmt: skip

@@ -115,6 +115,23 @@ class Card:
     cells: list[Cell] = field(default_factory=list)
     rates: dict[str, list[float]] = field(default_factory=dict)  # run -> [read GB/s, TFLOP/s] at its start
     stopped: str = ""
+    tree: str = ""  # the commit measured (tree_state), so that two cards say which change they compare
+
+
+def tree_state() -> str:
+    """The checkout's commit, "+ changes" when tracked files differ from it; "" outside a git
+    checkout (an installed copy) or without git."""
+
+    def git(*argv: str) -> str:
+        proc = subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        return proc.stdout.strip() if proc.returncode == 0 else ""
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        changed = commit and git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return f"{commit} + changes" if changed else commit
 
 
 def plan(args) -> list[Run]:
@@ -288,6 +305,7 @@ def markdown(card: Card) -> str:
     """The card as markdown: the machine, the table, what was not met, and the commands."""
     head = f"`{card.command}`" + (" (--quick: a look, not a verdict)" if card.quick else "")
     lines = [f"# Issue 13 targets: {card.machine}", "", head, ""]
+    lines += [f"Tree: {card.tree}.", ""] if card.tree else []
     if card.stopped:
         lines += [f"**Stopped: {card.stopped}.** The cells below are what finished before it.", ""]
     lines += ["| target | cell | reading | limit | verdict |", "|---|---|---|---|---|"]
@@ -490,7 +508,7 @@ def main(argv=None) -> int:
     out = Path(args.out or f"targets-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/targets.py " + " ".join(map(_quote, sys.argv[1:] if argv is None else argv))
-    card = Card(machine, command.strip(), args.quick, cells=skipped(args))
+    card = Card(machine, command.strip(), args.quick, cells=skipped(args), tree=tree_state())
     runs = plan(args)
     total = sum(r.minutes for r in runs)
     settings = "full settings on 2 cores" + (" (--quick: shorter, the compiles stay)" if args.quick else "")

@@ -297,12 +297,12 @@ def test_an_out_that_is_a_file_or_holds_a_card_is_refused(tmp_path, capsys):
     assert exc.value.code == 2 and "holds a card already: --resume to keep its finished runs" in capsys.readouterr().err
 
 
-def card_dir(path, machine: str, x: dict[tuple[int, str], float], argv=("--size", "qwen3-0.6b")):
+def card_dir(path, machine: str, x: dict[tuple[int, str], float], argv=("--size", "qwen3-0.6b"), tree=""):
     """A card directory as targets.py leaves it: targets.json and the decode run's record. Its stored
     cells have no margins, as the cards written before the plot: --compare judges the records again."""
     run = targets.Run("decode-bfloat16", (1, 2), "decode_bench.py", list(argv), "decode", 12, rc=0, seconds=60.0)
     record = decode_record("bfloat16", x)
-    card = targets.Card(machine, "python benchmarks/targets.py", quick=False, runs=[run])
+    card = targets.Card(machine, "python benchmarks/targets.py", quick=False, runs=[run], tree=tree)
     card.cells = [replace(c, margin=None) for c in targets.decode_cells(record, (1, 2))]
     path.mkdir()
     targets.save(card, path)
@@ -312,7 +312,8 @@ def card_dir(path, machine: str, x: dict[tuple[int, str], float], argv=("--size"
 
 def test_compare_names_the_crossings_the_moves_and_the_cells_only_one_card_has(tmp_path, capsys):
     before = card_dir(tmp_path / "a", "cpu A", {(1, "ge_graph"): 1.19, (16, "ge_graph"): 1.25, (4, "eager"): 1.35})
-    after = card_dir(tmp_path / "b", "cpu A", {(1, "ge_graph"): 1.21, (16, "ge_graph"): 1.10, (64, "ge_graph"): 1.2})
+    after = {(1, "ge_graph"): 1.21, (16, "ge_graph"): 1.10, (64, "ge_graph"): 1.2}
+    after = card_dir(tmp_path / "b", "cpu A", after, tree="abc1234 + changes")
     png = tmp_path / "c.png"
     assert targets.main(["--compare", str(before), str(after / "targets.json"), "--plot", str(png)]) == 0
     text = capsys.readouterr().out
@@ -323,7 +324,7 @@ def test_compare_names_the_crossings_the_moves_and_the_cells_only_one_card_has(t
     assert "Moved by more than 10%: 2: bf16 batch 16, ge_graph (0.88, better)." in text
     assert "| 2 | bf16 batch 1, ge_graph | 1.19x roofline (11.9 ms; same tokens) | 1.21x" in text  # met both
     assert "Only before (1): 2: bf16 batch 4, eager." in text and "Only after (1): 2: bf16 batch 64, ge_graph." in text
-    assert "3 cells in both cards" in text
+    assert "3 cells in both cards" in text and "Trees: before not recorded; after abc1234 + changes." in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     other = card_dir(tmp_path / "c", "cpu B", {(1, "ge_graph"): 1.0}, argv=("--size", "debugmodel", "--no-hf"))
     assert targets.main(["--compare", str(before), str(other)]) == 0
@@ -359,3 +360,16 @@ def test_compare_with_a_path_that_is_not_a_card_is_one_line(tmp_path, capsys):
     (empty / "decode-bfloat16.json").unlink()  # no record: nothing judged, nothing in both
     assert targets.main(["--compare", str(card), str(empty), "--plot", str(tmp_path / "p.png")]) == 2
     assert "no judged cell is in both cards: nothing to plot" in capsys.readouterr().err
+
+
+def test_the_card_names_the_commit_it_measured_and_whether_the_tree_differed():
+    """tree_state is git's answer for this checkout; a test run outside one (no .git) gets ""."""
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    if git.returncode != 0:
+        assert targets.tree_state() == ""
+        return
+    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                             capture_output=True, text=True).stdout.strip()  # fmt: skip
+    assert targets.tree_state() == git.stdout.strip() + (" + changes" if changed else "")
+    card = targets.Card("a cpu", "python benchmarks/targets.py", quick=False, tree="abc1234")
+    assert "\nTree: abc1234.\n" in targets.markdown(card)
