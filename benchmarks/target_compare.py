@@ -41,24 +41,25 @@ class CardError(ValueError):
 def load(path: str) -> Side:
     """The card in `path` (its directory, or its targets.json), its cells judged again from its records."""
     where = Path(path)
-    where = where.parent if where.name == "targets.json" else where
+    where = where.parent if where.is_file() else where  # its targets.json (or another file of it) named
     card_file = where / "targets.json"
     if not card_file.is_file():
         raise CardError(f"{path}: no targets card (targets.json); name the --out directory of a targets.py run")
+    cells: dict[tuple[int, str], Cell] = {}
     try:
         card = json.loads(card_file.read_text(encoding="utf-8"))
         runs, machine = card["runs"], card["machine"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise CardError(f"{card_file}: not a targets card ({type(exc).__name__}: {exc})") from None
-    # the targets that card asked for: its cells name them (a decode run reads 1 and 2, asked or not)
-    asked = tuple(sorted({c["target"] for c in card.get("cells", [])} or {t for r in runs for t in r["targets"]}))
-    cells: dict[tuple[int, str], Cell] = {}
-    for run in runs:
-        record = where / f"{run['name']}.json"
-        if run.get("reads") not in JUDGES or not record.is_file():
-            continue
-        for cell in JUDGES[run["reads"]](json.loads(record.read_text(encoding="utf-8")), asked):
-            cells[(cell.target, cell.cell)] = cell
+        # the targets that card asked for: its cells name them (a decode run reads 1 and 2, asked or not)
+        asked = tuple(sorted({c["target"] for c in card.get("cells", [])} or {t for r in runs for t in r["targets"]}))
+        for run in runs:
+            record = where / f"{run['name']}.json"
+            if run.get("reads") not in JUDGES or not record.is_file():
+                continue
+            for cell in JUDGES[run["reads"]](json.loads(record.read_text(encoding="utf-8")), asked):
+                cells[(cell.target, cell.cell)] = cell
+    except (KeyError, TypeError, ValueError) as exc:  # ValueError: JSON that does not parse
+        why = f"{type(exc).__name__}: {exc}"
+        raise CardError(f"{card_file}: not a targets card, or a record of it is not ({why})") from None
     return Side(where, machine, cells, {r["name"]: list(r.get("argv", [])) for r in runs}, card.get("tree", ""))
 
 

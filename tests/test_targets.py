@@ -355,7 +355,11 @@ def test_compare_with_a_path_that_is_not_a_card_is_one_line(tmp_path, capsys):
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "targets.json").write_text("{}")
     assert targets.main(["--compare", str(card), str(tmp_path / "bad")]) == 2
-    assert "targets.json: not a targets card (KeyError" in capsys.readouterr().err
+    assert "targets.json: not a targets card, or a record of it is not (KeyError" in capsys.readouterr().err
+    broken = card_dir(tmp_path / "r", "cpu A", {(1, "ge_graph"): 1.1})
+    (broken / "decode-bfloat16.json").write_text('{"dtype": "bfloat16"}')  # a record without its tables
+    assert targets.main(["--compare", str(card / "targets.md"), str(broken)]) == 2  # a file of a card: its directory
+    assert "not a targets card, or a record of it is not (KeyError: 'batches')" in capsys.readouterr().err
     empty = card_dir(tmp_path / "e", "cpu A", {(1, "ge_graph"): 1.1})
     (empty / "decode-bfloat16.json").unlink()  # no record: nothing judged, nothing in both
     assert targets.main(["--compare", str(card), str(empty), "--plot", str(tmp_path / "p.png")]) == 2
