@@ -144,13 +144,52 @@ def markdown(before: Side, after: Side, noise: float = NOISE) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(before: Side, after: Side, path: Path) -> None:
-    """Each cell both cards judged: its margin before (grey) and after (green met, red not), joined,
-    the limit at 1.0. Why a picture: a change that moves many cells a little reads as a slope here."""
-    keys = sorted((k for k in after.cells if k in before.cells and change(before.cells[k], after.cells[k])),
+def spread_markdown(sides: list[Side]) -> str:
+    """Three or more cards (runs of one tree, or a series of changes): each judged cell's reading in
+    each card, its margin's range, and in how many it was met. Why: one card cannot tell a cell at
+    1.33x of a 1.3x limit from noise; on Zen 4 the same tree read bf16 batch 1 at 1.07x in one run and
+    1.19x an hour later (BENCHMARKS.md, "seventy-first pass"), so a cell is settled by how it reads
+    across runs, not by one."""
+    lines = ["# Targets across cards", ""]
+    lines += [f"{i}. {side.path} (tree {side.tree or 'not recorded'})" for i, side in enumerate(sides, 1)] + [""]
+    machines = list(dict.fromkeys(side.machine for side in sides))
+    lines += [f"**Different machines**: {'; '.join(machines)}.", ""] if len(machines) > 1 else []
+    lines += [f"Machine: {machines[0]}.", ""] if len(machines) == 1 else []
+    judged = (k for side in sides for k, c in side.cells.items() if c.margin is not None)
+    keys = sorted(dict.fromkeys(judged), key=lambda k: k[0])  # the cards' own order within a target
+    head = " | ".join(str(i) for i in range(1, len(sides) + 1))
+    lines += [f"| target | cell | {head} | margin range | met in |", "|---|---|" + "---|" * len(sides) + "---|---|"]
+    settled_not, unsettled = [], []
+    for key in keys:
+        cells = [side.cells.get(key) for side in sides]
+        read = [c for c in cells if c is not None and c.margin is not None]
+        shown = " | ".join(c.reading.split(" ")[0] if c is not None else "-" for c in cells)
+        met = sum(bool(c.met) for c in read)
+        span = f"{min(c.margin for c in read):.3f}-{max(c.margin for c in read):.3f}"
+        lines.append(f"| {key[0]} | {key[1]} | {shown} | {span} | {met} of {len(read)} |")
+        name = f"{key[0]}: {key[1]}"
+        if met == 0 and len(read) > 1:
+            settled_not.append(name)
+        elif 0 < met < len(read):
+            unsettled.append(name)
+    lines += ["", "margin = reading / limit (above 1.000 is not met); a card without the cell reads `-`."]
+    lines.append("Not met in any card that read it: " + ("; ".join(settled_not) or "none") + ".")
+    lines.append(
+        "Met in some cards, not in others (within these runs' noise): " + ("; ".join(unsettled) or "none") + "."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def plot(sides: list[Side], path: Path) -> None:
+    """Each judged cell of the last card: its margin in every card that read it, the earlier ones grey,
+    the last green (met) or red (not), joined by their range; the limit at 1.0. Why a picture: a
+    change that moves many cells a little reads as a slope here, and noise as a wide range."""
+    last = sides[-1]
+    keys = sorted((k for k, c in last.cells.items() if c.margin is not None
+                   and any(k in s.cells and s.cells[k].margin is not None for s in sides[:-1])),
                   key=lambda k: k[0])  # fmt: skip
     if not keys:
-        raise CardError("no judged cell is in both cards: nothing to plot")
+        raise CardError("no judged cell is in the last card and an earlier one: nothing to plot")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -158,15 +197,16 @@ def plot(before: Side, after: Side, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.24 * len(keys)))
     for y, key in zip(range(len(keys))[::-1], keys):
-        b, a = before.cells[key].margin, after.cells[key].margin
-        ax.plot([b, a], [y, y], color="0.7", linewidth=1.5, zorder=1)
-        ax.scatter([b], [y], color="0.55", s=18, zorder=2)
-        ax.scatter([a], [y], color="tab:green" if after.cells[key].met else "tab:red", s=22, zorder=3)
+        earlier = [s.cells[key].margin for s in sides[:-1] if key in s.cells and s.cells[key].margin is not None]
+        now = last.cells[key].margin
+        ax.plot([min(*earlier, now), max(*earlier, now)], [y, y], color="0.7", linewidth=1.5, zorder=1)
+        ax.scatter(earlier, [y] * len(earlier), color="0.55", s=18, zorder=2)
+        ax.scatter([now], [y], color="tab:green" if last.cells[key].met else "tab:red", s=22, zorder=3)
     ax.axvline(1.0, color="k", linestyle="--", linewidth=1)
     ax.set_yticks(list(range(len(keys)))[::-1], [f"{t}: {c}" for t, c in keys], fontsize=7)
     ax.set_ylim(-0.6, len(keys) - 0.4)
-    ax.set_xlabel("reading / limit (1.0 = at the limit); grey: before, colour: after (green met, red not)")
-    ax.set_title(f"{after.path.name} against {before.path.name}", fontsize=9)
+    ax.set_xlabel("reading / limit (1.0 = at the limit); grey: earlier cards, colour: the last (green met, red not)")
+    ax.set_title(" -> ".join("/".join(s.path.parts[-2:]) for s in sides), fontsize=9)  # "full" is many runs' name
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")

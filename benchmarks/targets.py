@@ -28,6 +28,7 @@ it is weak); the other benchmarks do not read their rates twice, so they are nev
   python benchmarks/targets.py --device cuda --targets 1,2,4,7
   python benchmarks/targets.py --out targets-zen5 --resume  # after a stop: the runs that did not finish
   python benchmarks/targets.py --compare targets-before targets-after --plot compare.png  # measures nothing
+  python benchmarks/targets.py --compare run1 run2 run3   # each cell across three runs of one tree: its noise
 
 --quick cuts the timed steps, not the compiles: each batch of a decode run still compiles its graph
 modes, so a --quick decode run at the 0.6B size took 10.6 min of the full run's 12.4 on 2 cores
@@ -36,7 +37,9 @@ modes, so a --quick decode run at the 0.6B size took 10.6 min of the full run's 
 Writes into --out: targets.md (the card), targets.json (its cells), targets.png (each judged cell
 against its limit), and each run's JSON and log. --compare reads two such directories (a change
 checked by running the targets before and after it) and prints which cells crossed their limit or
-moved by more than 10%, judged again from each card's records (benchmarks/target_compare.py).
+moved by more than 10%, judged again from each card's records (benchmarks/target_compare.py); with
+three or more, each cell's range across them and in how many it was met (which cells one run cannot
+settle).
 Exit status: 0 when every run finished (whatever the verdicts), 1 when one failed, 2 on bad
 arguments (an --out holding a card is refused without --resume: nothing is overwritten), 130 when
 stopped by Ctrl-C.
@@ -448,10 +451,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--resume", action="store_true", help="--out holds an earlier card: keep its finished runs, run the rest"
     )
     p.add_argument(
-        "--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="two --out directories: print their cells side by side"
+        "--compare",
+        nargs="+",
+        metavar="CARD",
+        help="two --out directories (before, after): their cells side by side; three or more: each cell's spread",
     )
-    p.add_argument("--plot", help="with --compare: draw each cell's margin before and after into this PNG")
+    p.add_argument("--plot", help="with --compare: draw each cell's margin in each card into this PNG")
     args = p.parse_args(argv)
+    if args.compare is not None and len(args.compare) < 2:
+        p.error("--compare: name two cards (before, after) or more (each cell's spread across them)")
     if args.compare and (args.out or args.resume):
         p.error("--compare measures nothing and writes no card: --out and --resume do not apply (--plot FILE does)")
     if args.plot and not args.compare:
@@ -475,15 +483,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def compare(args) -> int:
-    """--compare: the two cards side by side (printed), and --plot's picture; exit 2 on a path that is
-    not a card."""
+    """--compare: two cards side by side, or three and more as each cell's spread (printed), and
+    --plot's picture; exit 2 on a path that is not a card."""
     from benchmarks import target_compare
 
     try:
-        before, after = (target_compare.load(path) for path in args.compare)
-        print(target_compare.markdown(before, after), end="")
+        sides = [target_compare.load(path) for path in args.compare]
+        text = target_compare.markdown(*sides) if len(sides) == 2 else target_compare.spread_markdown(sides)
+        print(text, end="")
         if args.plot:
-            target_compare.plot(before, after, Path(args.plot))
+            target_compare.plot(sides, Path(args.plot))
             print(f"plot: {args.plot}")
     except target_compare.CardError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -338,6 +338,7 @@ def test_compare_names_the_crossings_the_moves_and_the_cells_only_one_card_has(t
     [
         (["--compare", "a", "b", "--out", "c"], "--compare measures nothing and writes no card"),
         (["--plot", "x.png"], "--plot: only with --compare"),
+        (["--compare", "a"], "--compare: name two cards (before, after) or more"),
     ],
 )
 def test_compare_options_that_do_not_apply_are_refused(argv, said, capsys):
@@ -363,7 +364,7 @@ def test_compare_with_a_path_that_is_not_a_card_is_one_line(tmp_path, capsys):
     empty = card_dir(tmp_path / "e", "cpu A", {(1, "ge_graph"): 1.1})
     (empty / "decode-bfloat16.json").unlink()  # no record: nothing judged, nothing in both
     assert targets.main(["--compare", str(card), str(empty), "--plot", str(tmp_path / "p.png")]) == 2
-    assert "no judged cell is in both cards: nothing to plot" in capsys.readouterr().err
+    assert "no judged cell is in the last card and an earlier one: nothing to plot" in capsys.readouterr().err
 
 
 def test_the_card_names_the_commit_it_measured_and_whether_the_tree_differed():
@@ -377,3 +378,24 @@ def test_the_card_names_the_commit_it_measured_and_whether_the_tree_differed():
     assert targets.tree_state() == git.stdout.strip() + (" + changes" if changed else "")
     card = targets.Card("a cpu", "python benchmarks/targets.py", quick=False, tree="abc1234")
     assert "\nTree: abc1234.\n" in targets.markdown(card)
+
+
+def test_compare_of_three_cards_gives_each_cells_range_and_how_often_it_was_met(tmp_path, capsys):
+    """Three runs of one tree: a cell met in one run and not in another is within the noise; one not
+    met in every run that read it is settled; a card without a cell reads "-"."""
+    runs = [
+        {(1, "ge_graph"): 1.12, (16, "ge_graph"): 1.38, (4, "eager"): 1.29},
+        {(1, "ge_graph"): 1.19, (16, "ge_graph"): 1.40},
+        {(1, "ge_graph"): 1.07, (16, "ge_graph"): 1.47, (4, "eager"): 1.33},
+    ]
+    cards = [str(card_dir(tmp_path / f"r{i}", "cpu A", x, tree=f"c{i}")) for i, x in enumerate(runs)]
+    png = tmp_path / "spread.png"
+    assert targets.main(["--compare", *cards, "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert f"1. {cards[0]} (tree c0)" in text and "| target | cell | 1 | 2 | 3 | margin range | met in |" in text
+    assert "| 2 | bf16 batch 16, ge_graph | 1.38x | 1.40x | 1.47x | 1.062-1.131 | 0 of 3 |" in text
+    assert "| 2 | bf16 batch 4, eager | 1.29x | - | 1.33x | 0.992-1.023 | 1 of 2 |" in text
+    assert "Not met in any card that read it: 2: bf16 batch 16, ge_graph." in text
+    assert "within these runs' noise): 2: bf16 batch 4, eager." in text
+    assert "| 1 | bf16 batch 1, ge_graph | 1.12x | 1.19x | 1.07x | 0.892-0.992 | 3 of 3 |" in text
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
