@@ -1,5 +1,6 @@
-"""Two target cards side by side (`python benchmarks/targets.py --compare BEFORE AFTER`): which cells
-crossed their limit, which moved by more than the noise, and which only one card has.
+"""Target cards compared (`python benchmarks/targets.py --compare BEFORE AFTER [MORE]`). Two: which
+cells crossed their limit, which moved by more than the noise, and which only one card has. Three or
+more: each cell's range across them and how often it was met.
 
 Why: a change to a kernel or a runner default is checked by running the targets again, and two
 51-row cards are not read side by side by eye. The seventieth pass's card read bf16 batch 1 at

@@ -497,6 +497,9 @@ def compare(args) -> int:
     except target_compare.CardError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # --plot into a directory that is not there, or not writable
+        print(f"error: --plot {args.plot}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -365,6 +365,8 @@ def test_compare_with_a_path_that_is_not_a_card_is_one_line(tmp_path, capsys):
     (empty / "decode-bfloat16.json").unlink()  # no record: nothing judged, nothing in both
     assert targets.main(["--compare", str(card), str(empty), "--plot", str(tmp_path / "p.png")]) == 2
     assert "no judged cell is in the last card and an earlier one: nothing to plot" in capsys.readouterr().err
+    assert targets.main(["--compare", str(card), str(card), "--plot", str(tmp_path / "no" / "p.png")]) == 2
+    assert f"error: --plot {tmp_path / 'no' / 'p.png'}: No such file or directory" in capsys.readouterr().err
 
 
 def test_the_card_names_the_commit_it_measured_and_whether_the_tree_differed():
