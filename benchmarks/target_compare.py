@@ -9,7 +9,8 @@ commit in between cost 5%?" needs exactly this table (BENCHMARKS.md, "seventy-fi
 
 Each card's cells are judged again from the run records in its directory, with this tree's judges,
 so a card written before a judge changed (the margin field came after the first cards) compares on
-the same terms; a run without a record keeps nothing. A cell's margin is its reading over its limit
+the same terms; a run that failed keeps the tables it finished and its failed cell, as on its card
+(targets.cells_of, the card's own code). A cell's margin is its reading over its limit
 (1.0 at the limit, lower is better, for every target), so the change is after / before of margins.
 """
 
@@ -19,7 +20,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.targets import JUDGES, Cell
+from benchmarks.targets import Cell, Run, cells_of, margin_axes
 
 NOISE = 0.10  # a margin that moved by more than this is listed as moved (decode_bench's `?` is 15% of a rate)
 
@@ -52,12 +53,8 @@ def load(path: str) -> Side:
         runs, machine = card["runs"], card["machine"]
         # the targets that card asked for: its cells name them (a decode run reads 1 and 2, asked or not)
         asked = tuple(sorted({c["target"] for c in card.get("cells", [])} or {t for r in runs for t in r["targets"]}))
-        for run in runs:
-            record = where / f"{run['name']}.json"
-            if run.get("reads") not in JUDGES or not record.is_file():
-                continue
-            for cell in JUDGES[run["reads"]](json.loads(record.read_text(encoding="utf-8")), asked):
-                cells[(cell.target, cell.cell)] = cell
+        for run in runs:  # as the card made them: a failed run's finished tables and its failed cell
+            cells |= {(c.target, c.cell): c for c in cells_of(Run(**run), where, asked)}
     except (KeyError, TypeError, ValueError) as exc:  # ValueError: JSON that does not parse
         why = f"{type(exc).__name__}: {exc}"
         raise CardError(f"{card_file}: not a targets card, or a record of it is not ({why})") from None
@@ -191,24 +188,12 @@ def plot(sides: list[Side], path: Path) -> None:
                   key=lambda k: k[0])  # fmt: skip
     if not keys:
         raise CardError("no judged cell is in the last card and an earlier one: nothing to plot")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.24 * len(keys)))
-    for y, key in zip(range(len(keys))[::-1], keys):
-        earlier = [s.cells[key].margin for s in sides[:-1] if key in s.cells and s.cells[key].margin is not None]
-        now = last.cells[key].margin
-        ax.plot([min(*earlier, now), max(*earlier, now)], [y, y], color="0.7", linewidth=1.5, zorder=1)
-        ax.scatter(earlier, [y] * len(earlier), color="0.55", s=18, zorder=2)
-        ax.scatter([now], [y], color="tab:green" if last.cells[key].met else "tab:red", s=22, zorder=3)
-    ax.axvline(1.0, color="k", linestyle="--", linewidth=1)
-    ax.set_yticks(list(range(len(keys)))[::-1], [f"{t}: {c}" for t, c in keys], fontsize=7)
-    ax.set_ylim(-0.6, len(keys) - 0.4)
-    ax.set_xlabel("reading / limit (1.0 = at the limit); grey: earlier cards, colour: the last (green met, red not)")
-    ax.set_title(" -> ".join("/".join(s.path.parts[-2:]) for s in sides), fontsize=9)  # "full" is many runs' name
-    ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    xlabel = "reading / limit (1.0 = at the limit); grey: earlier cards, colour: the last (green met, red not)"
+    title = " -> ".join("/".join(s.path.parts[-2:]) for s in sides)  # "full" is many runs' name
+    with margin_axes([f"{t}: {c}" for t, c in keys], title, xlabel, path) as (ax, ys):
+        for y, key in zip(ys, keys):
+            earlier = [s.cells[key].margin for s in sides[:-1] if key in s.cells and s.cells[key].margin is not None]
+            now = last.cells[key].margin
+            ax.plot([min(*earlier, now), max(*earlier, now)], [y, y], color="0.7", linewidth=1.5, zorder=1)
+            ax.scatter(earlier, [y] * len(earlier), color="0.55", s=18, zorder=2)
+            ax.scatter([now], [y], color="tab:green" if last.cells[key].met else "tab:red", s=22, zorder=3)

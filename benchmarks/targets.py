@@ -48,11 +48,13 @@ stopped by Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -351,24 +353,37 @@ def plot(card: Card, path: Path) -> None:
     cells = [c for c in sorted(card.cells, key=lambda c: c.target) if c.margin is not None]
     if not cells:
         return
+    labels = [f"{c.target}: {c.cell}{'  ?' * c.unsteady}" for c in cells]
+    xlabel = "reading / limit (1.0 = at the limit; red: not met; ?: a rate moved > 15%)"
+    with margin_axes(labels, f"Issue 13 targets: {card.machine}", xlabel, path) as (ax, ys):
+        colors = ["tab:green" if c.met else "tab:red" for c in cells]
+        ax.barh(ys, [c.margin for c in cells], color=colors, height=0.7)
+
+
+@contextlib.contextmanager
+def margin_axes(labels: list[str], title: str, xlabel: str, path: Path) -> Iterator[tuple[object, list[int]]]:
+    """A figure of one row per cell (the first at the top) against reading / limit, the limit drawn at
+    1.0, saved to `path` when the block has drawn its marks: the frame of targets.png and of
+    --compare's plot (benchmarks/target_compare.py)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.24 * len(cells)))
-    ys = range(len(cells))[::-1]
-    colors = ["tab:green" if c.met else "tab:red" for c in cells]
-    ax.barh(list(ys), [c.margin for c in cells], color=colors, height=0.7)
-    ax.axvline(1.0, color="k", linestyle="--", linewidth=1)
-    ax.set_ylim(-0.6, len(cells) - 0.4)
-    ax.set_yticks(list(ys), [f"{c.target}: {c.cell}{'  ?' * c.unsteady}" for c in cells], fontsize=7)
-    ax.set_xlabel("reading / limit (1.0 = at the limit; red: not met; ?: a rate moved > 15%)")
-    ax.set_title(f"Issue 13 targets: {card.machine}", fontsize=9)
-    ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")  # the long cell names whole
-    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.24 * len(labels)))
+    ys = list(range(len(labels)))[::-1]
+    try:
+        yield ax, ys
+        ax.axvline(1.0, color="k", linestyle="--", linewidth=1)
+        ax.set_ylim(-0.6, len(labels) - 0.4)
+        ax.set_yticks(ys, labels, fontsize=7)
+        ax.set_xlabel(xlabel)
+        ax.set_title(title, fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110, bbox_inches="tight")  # the long cell names whole
+    finally:
+        plt.close(fig)
 
 
 def run_one(run: Run, out: Path) -> None:
