@@ -52,13 +52,18 @@ constexpr int64_t kShareBlock = 32;  // outputs a thread takes at a time (leftov
 #define CANN_F32_TARGET __attribute__((target("avx512f,avx512vl")))  // VL: the tiles' 128-bit masked ops
 
 // How far ahead in a thread's stream the row loops below ask for the weight's lines into L2, where
-// they do (kAhead; see ahead_rows). On AMD Zen 4, one build with the look-ahead switched at run time
-// (the 0.6B projections, 7-11 rounds in random order, against a control arm that read 0.98-1.03):
-// one row took 0.85-0.91x the time in bf16 (five runs) and 0.87-0.91x in fp32 (two), two fp32
-// rows 0.91-0.94x; two bf16 rows took 1.04-1.35x (2 KB ahead 0.96-1.05x), three 1.10x. 2-3 KB
-// ahead gained about as much or less, 8-16 KB less, and into L1 (T0) cost 1.29x. The eager batch-1
-// step, in-process: 0.907x the time in bf16, 0.852x in fp32, 12 of 12 rounds faster
-// (BENCHMARKS.md, "sixty-fifth pass"). A prefetch never faults, so the last rows' lines past the
+// they do (kAhead: kBf16 / kF32 below say which). On AMD Zen 4, one build with the look-ahead
+// switched at run time (the 0.6B projections, 7-11 rounds in random order, against a control arm
+// that read 0.98-1.03): one row took 0.85-0.91x the time in bf16 (five runs) and 0.87-0.91x in
+// fp32 (two), two fp32 rows 0.91-0.94x; two bf16 rows took 1.04-1.35x (2 KB ahead 0.96-1.05x),
+// three 1.10x. 2-3 KB ahead gained about as much or less, 8-16 KB less, and into L1 (T0) cost
+// 1.29x. The eager batch-1 step, in-process: 0.907x the time in bf16, 0.852x in fp32, 12 of 12
+// rounds faster (BENCHMARKS.md, "sixty-fifth pass"). On the Intel Xeon with AMX, which had run
+// without it: one bf16 row read the 0.6B projections at 0.78 of a sum's rate with it, 0.63
+// without, and the bf16 batch-1 step took 0.835x the time in eager, 0.811x in ge_graph (which
+// calls this loop there) and 0.784x in SK decoder, 8 of 8 rounds each (one build switched at run
+// time; "seventy-second pass"). Unmeasured where fp32 rows run here on an Intel CPU without AMX
+// (Ice Lake's eager 1-2 rows). A prefetch never faults, so the last rows' lines past the
 // weight's end are only wasted requests.
 constexpr int64_t kRowAhead = 4096;
 
@@ -400,19 +405,10 @@ void run_dot_linear(const DotFn<T> (*tiles)[kTileX], const T* x, int64_t M, int6
 
 template <typename T>
 using RowFn = void (*)(const T*, int64_t, const T*, int64_t, float, T*, int64_t);
-constexpr RowFn<uint16_t> kBf16[kMaxRows] = {bf16_row<1>, bf16_row<2>, bf16_row<3>, bf16_row<4>};
-constexpr RowFn<float> kF32[kMaxRows] = {f32_row<1>, f32_row<2>, f32_row<3>, f32_row<4>};
 // With the look-ahead where it was measured faster (kRowAhead): one bf16 row, one or two fp32 rows.
-// 3-4 rows go to dot_linear on these CPUs' eager path, and were left as they are.
-constexpr RowFn<uint16_t> kBf16Ahead[kMaxRows] = {bf16_row<1, true>, bf16_row<2>, bf16_row<3>, bf16_row<4>};
-constexpr RowFn<float> kF32Ahead[kMaxRows] = {f32_row<1, true>, f32_row<2, true>, f32_row<3>, f32_row<4>};
-
-// Whether the row loops take kBf16Ahead / kF32Ahead: on an AMD CPU, where they were measured (Zen 4;
-// Zen 5 unmeasured). Intel CPUs were not, and keep the loops without it. Asked once.
-bool ahead_rows() {
-  static const bool ahead = __builtin_cpu_is("amd");
-  return ahead;
-}
+// 3-4 rows go to dot_linear on the eager path of the CPUs these loops run on, and were left as they are.
+constexpr RowFn<uint16_t> kBf16[kMaxRows] = {bf16_row<1, true>, bf16_row<2>, bf16_row<3>, bf16_row<4>};
+constexpr RowFn<float> kF32[kMaxRows] = {f32_row<1, true>, f32_row<2, true>, f32_row<3>, f32_row<4>};
 
 // --- AVX2 + FMA (16 ymm registers), for a CPU without AVX-512 (or, in bf16, without AVX512-BF16) ---
 // x is fp32 here in either dtype (converted once per call, in cache). A bf16 weight row is read 16
@@ -724,13 +720,11 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
       run<float, void>(kAvx2F32[M - 1], xf.data_ptr<float>(), M, weight.data_ptr(), ldw, N, K, bp, y.data_ptr<float>());
     }
   } else if (dtype == at::kBFloat16) {
-    const RowFn<uint16_t>* rows = ahead_rows() ? kBf16Ahead : kBf16;
-    run<uint16_t, uint16_t>(rows[M - 1], reinterpret_cast<const uint16_t*>(x2.data_ptr()), M,
+    run<uint16_t, uint16_t>(kBf16[M - 1], reinterpret_cast<const uint16_t*>(x2.data_ptr()), M,
                             reinterpret_cast<const uint16_t*>(weight.data_ptr()), weight.stride(0) * 2, N, K, bp,
                             reinterpret_cast<uint16_t*>(y.data_ptr()));
   } else {
-    const RowFn<float>* rows = ahead_rows() ? kF32Ahead : kF32;
-    run<float, float>(rows[M - 1], x2.data_ptr<float>(), M, weight.data_ptr<float>(), weight.stride(0) * 4, N, K,
+    run<float, float>(kF32[M - 1], x2.data_ptr<float>(), M, weight.data_ptr<float>(), weight.stride(0) * 4, N, K,
                       bp, y.data_ptr<float>());
   }
 #endif
