@@ -160,8 +160,8 @@ def amx_fits(weight: torch.Tensor, rows: int) -> bool:
     stored: the loop on its packed copy read the 0.6B weights at 0.84 of a sum's rate against the
     kernel's 0.78, but a graph's bf16 batch-1 step sending its single rows there took as long
     (ge_graph 68.0 against 68.1 ms, SK decoder 58.5 against 57.3; 8 rounds in turns, one process)
-    and would keep a second copy of every weight
-    (BENCHMARKS.md, "seventy-second pass"; the twenty-sixth read both at 0.92-0.93)."""
+    and would keep a second copy of every weight (BENCHMARKS.md, "seventy-second pass"; the
+    twenty-sixth had read both at 0.92-0.93)."""
     return _amx_fits(*weight.shape, weight.dtype, rows)
 
 
