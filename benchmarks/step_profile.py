@@ -131,6 +131,7 @@ def _profile_mode(args, mode: str, perf_data: Path | None) -> dict:
     common = {
         "mode": mode,
         "wall_ms": statistics.median(wall),
+        "wall_mean_ms": statistics.fmean(wall),  # what a per-step CPU time (all steps' over their count) is bounded by
         "plain_ms": statistics.median(plain) if plain else None,
         "compile_s": compile_s,
     }

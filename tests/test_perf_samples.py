@@ -123,10 +123,12 @@ def test_a_real_profile_of_the_eager_step_accounts_for_its_wall_time():
     main = [r for r in summary["perf"] if r[0] == "main"]
     assert main, summary["perf"]
     assert sum(share for *_, share in main) == pytest.approx(1.0)
-    # the main thread runs the whole step, so its CPU time per step is at most the step's wall time,
-    # and a fair part of it even on a busy machine (in the full suite, 2 workers on 2 cores: 0.29 of
-    # it); a wrong period unit or per-step division would be off by 1000x or by the step count (40)
-    cpu_ms = sum(ms for _, _, ms, _ in main)
-    assert 0.05 * summary["wall_ms"] < cpu_ms < 1.5 * summary["wall_ms"], (cpu_ms, summary["wall_ms"])
+    # the main thread runs the whole step, so its CPU time per step (the profiled steps' total over
+    # their count) is at most their mean wall time, and a fair part of it even on a busy machine (in
+    # the full suite, 2 workers on 2 cores: 0.29 of it); a wrong period unit or per-step division would
+    # be off by 1000x or by the step count (40). Against the median wall it failed once in a full suite
+    # on the Intel AMX kind (24.3 CPU ms against a 7.6 ms median): a few slow steps raise the mean only.
+    cpu_ms, wall_ms = sum(ms for _, _, ms, _ in main), summary["wall_mean_ms"]
+    assert 0.05 * wall_ms < cpu_ms < 1.5 * wall_ms, (cpu_ms, wall_ms, summary["wall_ms"])
     assert any(grp == "Python" for _, grp, _, _ in main)
     assert (sorted(cache.rglob("*")) if cache.exists() else None) == cached  # no copies of the libraries left behind
