@@ -9,7 +9,7 @@ AMX, Ice Lake, a GPU) runs this and gets that kind's column, with the commands t
 The targets and what is judged (limits from issue 13):
   1  decode at batch 1, ge_graph and SK decoder: bf16 within 1.2x its roofline, fp32 within 1.1x
   2  decode at --batches, every mode (eager included: it runs on the weights as stored): within 1.3x
-  3  decode attention at 16k against 2k KV-cache slots, same position, with the custom op: within 1.1x
+  3  decode attention at 16k against 2k KV-cache slots, same position, with the custom op: within 1.1x per round
   4  prefill at 128 / 512 / 2048 tokens: within 1.5x its roofline and faster than transformers eager
   5  MoE eager at the 30B-A3B shape (one layer): at least as fast as transformers eager
   6  under a neighbour's OpenMP matmuls: every mode within 4x its idle step, SK decoder not slower than ge_graph
@@ -51,6 +51,7 @@ import argparse
 import contextlib
 import json
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -215,7 +216,12 @@ def decode_cells(record: dict, targets: tuple[int, ...]) -> list[Cell]:
 
 
 def attention_cells(record: dict, targets: tuple[int, ...] = ()) -> list[Cell]:
-    """Target 3: with the custom op, the step at the longest cache over the step at the shortest."""
+    """Target 3: with the custom op, the step at the longest cache over the step at the shortest.
+
+    Judged per round (the median of the two steps' ratios within each round) where the record has
+    them: a ratio of two best rounds carries one lucky round of either row, and on the AMX kind
+    read 1.07x, 1.26x and 1.08x in three runs of one tree (BENCHMARKS.md, "seventy-third pass").
+    The ratio of best rounds is shown beside it; a record without the rounds is judged on it."""
     with_op = [s for s in record["steps"] if s["custom_ops"]]
     longest = max(s["max_len"] for s in with_op)
     shortest = min(s["max_len"] for s in with_op)
@@ -224,8 +230,13 @@ def attention_cells(record: dict, targets: tuple[int, ...] = ()) -> list[Cell]:
     for s in with_op:
         if s["max_len"] == longest:
             mode = MODE_LABEL.get(s["mode"], s["mode"])
-            ratio = s["ms"] / base[s["mode"]]
-            shown = f"{ratio:.2f}x ({s['ms']:.1f} ms at {longest} slots, position {record['position']})"
+            best = s["ms"] / base[s["mode"]]
+            at = f"{s['ms']:.1f} ms at {longest} slots, position {record['position']}"
+            if rounds := s.get("max_len_rounds"):
+                ratio = statistics.median(rounds)
+                shown = f"{ratio:.2f}x per round ({rounds[0]:.2f}-{rounds[-1]:.2f}; best rounds {best:.2f}x, {at})"
+            else:
+                ratio, shown = best, f"{best:.2f}x ({at})"
             cell = f"{mode}, {longest} vs {shortest} slots"
             cells.append(Cell(3, cell, shown, f"<= {KV_LIMIT}", ratio <= KV_LIMIT, margin=ratio / KV_LIMIT))
     return cells
