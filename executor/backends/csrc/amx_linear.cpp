@@ -18,7 +18,13 @@
 // 0.82-0.83; the next block into L2 spread over the block, rows_linear's scheme, read 0.78-0.80).
 // With more than 16 rows the block is run once per tile of rows, its later tiles reading it from
 // L2. Two row tiles sharing each B tile (2 x 2 tiles over 32 columns, half the B loads) read
-// 0.9x as fast at 32-64 rows: there the tile products limit, not the loads.
+// 0.9x as fast at 32-64 rows, and level in a later pass (0.61 against 0.63 of a sum's rate at 32
+// rows, 0.48 and 0.48 at 64). There one core issued tdpbf16ps alone every 5.7 ns and a 16-row
+// tileloadd every ~17 ns from L1 at any stride, and this loop's chunk (5 loads, 4 products) took
+// 93 ns from L1, 111-115 from L2: a chunk alone is bound by its loads, the loop at 64 rows by neither
+// loads nor products alone. The later tiles asking for the next block into L2 (0.61 / 0.44 at 32 /
+// 64 rows) and one 16-column group at a time under every tile of rows (0.48 / 0.38) read slower
+// (BENCHMARKS.md, "seventy-third pass").
 //
 // The weight as stored, (N, K), is taken as well (the eager decode step, which keeps no packed copy):
 // then the weight is the A operand, 16 of its rows (64 bytes of k each, rows K apart) per tile, and
