@@ -144,6 +144,26 @@ def test_one_to_four_rows_run_the_few_row_kernels(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_single_row_sums_as_each_row_of_two_does(dtype):
+    """One row of x runs two weight rows at a time on an Intel CPU (csrc/gemv.cpp, run_pairs: rows n
+    and n + 64 of each block of 128, the outputs past the last whole block one at a time), one row at
+    a time elsewhere; two rows of x run bf16_row / f32_row<2>. Each sums in the same order, so a row
+    alone gives what it gives beside another, bit for bit, bias included: K = 300 (two 128-value steps
+    and a masked tail), 100 outputs (no whole block), 300 (two and a tail of 44), 384 (three)."""
+    if not eager_linear.gemv_runs(dtype):
+        pytest.skip("neither AVX-512 nor AVX2 here, or no compiler for the kernel")
+    torch.manual_seed(5)
+    for n in (100, 300, 384):
+        w, b = (torch.randn(n, 300) * 0.1).to(dtype), torch.randn(n).to(dtype)
+        x = torch.randn(1, 300).to(dtype)
+        alone = torch.ops.cann_cpu.gemv(x, w, b)
+        beside = torch.ops.cann_cpu.gemv(torch.cat([x, torch.randn(1, 300).to(dtype)]), w, b)
+        assert torch.equal(alone[0], beside[0]), n
+        want = F.linear(x.double(), w.double(), b.double())
+        torch.testing.assert_close(alone.double(), want, rtol=8e-3, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_gemv_every_output_once_whatever_the_threads(dtype):
     """The GEMV kernel hands each thread a share of the outputs (blocks of 32) and lets a thread that
     is done take the last blocks of another's share (csrc/linear_io.h, leftovers_for). An output's

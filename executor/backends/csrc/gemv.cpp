@@ -132,6 +132,43 @@ CANN_F32_TARGET inline void f32_row(const float* x, int64_t ldx, const float* w,
   }
 }
 
+// --- One row of x, two weight rows at a time: two streams a thread (Intel CPUs; run_pairs) ---
+// Rows n and n + kPairGap run together, each read front to back and asked for kRowAhead ahead, with
+// x's values loaded once for both. On the Intel AMX kind one bf16 row read the 0.6B projections at
+// 0.86-0.89 of a sum's rate where one stream a thread read 0.63 (11 alternating rounds, one build
+// switched at run time; 1.36-1.42x per round for gaps of 16-64 rows), and the bf16 batch-1 step
+// took 0.756x the time in eager, 0.755x in ge_graph and 0.707x in SK decoder, faster in 8 of 8
+// rounds each, tokens the same (BENCHMARKS.md, "seventy-third pass"). One stream a thread read
+// 0.60-0.78 of the sum's rate there on different days, its look-ahead worth 0.15 one day and
+// nothing the next; two streams keep twice the lines in flight. AMD CPUs keep one stream a
+// thread (unmeasured there).
+constexpr int64_t kPairGap = 64;
+
+CANN_BF16_TARGET inline void bf16_pair(const uint16_t* x, const uint16_t* wa, const uint16_t* wb, int64_t K,
+                                       float ba, float bb, uint16_t* ya, uint16_t* yb) {
+  __m512 a[4], b[4];
+  for (int u = 0; u < 4; ++u) a[u] = b[u] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 128 <= K; k += 128) {
+    ahead_l2(wa + k);
+    ahead_l2(wb + k);
+    for (int u = 0; u < 4; ++u) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k + 32 * u);
+      a[u] = _mm512_dpbf16_ps(a[u], (__m512bh)_mm512_loadu_si512(wa + k + 32 * u), xv);
+      b[u] = _mm512_dpbf16_ps(b[u], (__m512bh)_mm512_loadu_si512(wb + k + 32 * u), xv);
+    }
+  }
+  for (; k < K; k += 32) {
+    const __mmask32 mask = K - k >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1ull << (K - k)) - 1);
+    const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + k);
+    a[0] = _mm512_dpbf16_ps(a[0], (__m512bh)_mm512_maskz_loadu_epi16(mask, wa + k), xv);
+    b[0] = _mm512_dpbf16_ps(b[0], (__m512bh)_mm512_maskz_loadu_epi16(mask, wb + k), xv);
+  }
+  // the sums in bf16_row's order, so that a row's output does not depend on the loop that ran it
+  *ya = c10::BFloat16(_mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]))) + ba).x;
+  *yb = c10::BFloat16(_mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(b[0], b[1]), _mm512_add_ps(b[2], b[3]))) + bb).x;
+}
+
 // --- Up to 64 rows (cann_cpu::dot_linear; the eager path gives it 3-64): AVX-512 tiles ---
 // The row loops above read the weight once per call because every row of x stays in registers;
 // past four rows they no longer fit (and at three or four rows, four weight rows at a time read
@@ -661,6 +698,31 @@ void run(Fn fn, const T* x, int64_t M, const W* w, int64_t ldw, int64_t N, int64
       fn(x, K, reinterpret_cast<const W*>(base + n * ldw), K, bias ? bias[n] : 0.0f, y + n, N);
   }, (N + kGrain - 1) / kGrain);
 }
+
+// run's loop for one row of x on pair: blocks of 2 kPairGap outputs, each as kPairGap pairs (n, n +
+// kPairGap), shared out as run shares its blocks; the outputs past the last whole block go one at
+// a time to row (one stream).
+template <typename T, typename PairFn, typename RowFn>
+void run_pairs(PairFn pair, RowFn row, const T* x, const T* w, int64_t ldw, int64_t N, int64_t K, const float* bias,
+               T* y) {
+  constexpr int64_t block = 2 * kPairGap;
+  const int64_t whole = N / block;
+  cann::leftovers_for(whole + (N % block != 0), [&](int64_t nb, bool) {
+    const int64_t n0 = nb * block;
+    if (nb == whole) {
+      for (int64_t n = n0; n < N; ++n) row(x, K, w + n * ldw, K, bias ? bias[n] : 0.0f, y + n, N);
+      return;
+    }
+    for (int64_t n = n0, m = n0 + kPairGap; n < n0 + kPairGap; ++n, ++m)
+      pair(x, w + n * ldw, w + m * ldw, K, bias ? bias[n] : 0.0f, bias ? bias[m] : 0.0f, y + n, y + m);
+  }, (N + kGrain - 1) / kGrain);
+}
+
+// Whether one row of x runs two weight rows at a time (run_pairs): on an Intel CPU; asked once.
+bool pairs_run() {
+  static const bool intel = __builtin_cpu_is("intel");
+  return intel;
+}
 #endif
 
 #ifdef CANN_GEMV
@@ -719,6 +781,10 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& weight, const c10::option
     } else {
       run<float, void>(kAvx2F32[M - 1], xf.data_ptr<float>(), M, weight.data_ptr(), ldw, N, K, bp, y.data_ptr<float>());
     }
+  } else if (dtype == at::kBFloat16 && M == 1 && pairs_run()) {
+    run_pairs<uint16_t>(bf16_pair, kBf16[0], reinterpret_cast<const uint16_t*>(x2.data_ptr()),
+                        reinterpret_cast<const uint16_t*>(weight.data_ptr()), weight.stride(0), N, K, bp,
+                        reinterpret_cast<uint16_t*>(y.data_ptr()));
   } else if (dtype == at::kBFloat16) {
     run<uint16_t, uint16_t>(kBf16[M - 1], reinterpret_cast<const uint16_t*>(x2.data_ptr()), M,
                             reinterpret_cast<const uint16_t*>(weight.data_ptr()), weight.stride(0) * 2, N, K, bp,
