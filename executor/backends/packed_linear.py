@@ -161,7 +161,8 @@ def amx_fits(weight: torch.Tensor, rows: int) -> bool:
     kernel's 0.78, but a graph's bf16 batch-1 step sending its single rows there took as long
     (ge_graph 68.0 against 68.1 ms, SK decoder 58.5 against 57.3; 8 rounds in turns, one process)
     and would keep a second copy of every weight (BENCHMARKS.md, "seventy-second pass"; the
-    twenty-sixth had read both at 0.92-0.93)."""
+    twenty-sixth had read both at 0.92-0.93). Since the kernel runs a single bf16 row as two streams
+    a thread on an Intel CPU it read 0.86-0.89 ("seventy-third pass")."""
     return _amx_fits(*weight.shape, weight.dtype, rows)
 
 
