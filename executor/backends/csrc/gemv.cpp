@@ -132,7 +132,7 @@ CANN_F32_TARGET inline void f32_row(const float* x, int64_t ldx, const float* w,
   }
 }
 
-// --- One row of x, two weight rows at a time: two streams a thread (Intel CPUs; run_pairs) ---
+// --- One bf16 row of x, two weight rows at a time: two streams a thread (run_pairs) ---
 // Rows n and n + kPairGap run together, each read front to back and asked for kRowAhead ahead, with
 // x's values loaded once for both. On the Intel AMX kind one bf16 row read the 0.6B projections at
 // 0.86-0.89 of a sum's rate where one stream a thread read 0.63 (11 alternating rounds, one build
@@ -140,8 +140,11 @@ CANN_F32_TARGET inline void f32_row(const float* x, int64_t ldx, const float* w,
 // took 0.756x the time in eager, 0.755x in ge_graph and 0.707x in SK decoder, faster in 8 of 8
 // rounds each, tokens the same (BENCHMARKS.md, "seventy-third pass"). One stream a thread read
 // 0.60-0.78 of the sum's rate there on different days, its look-ahead worth 0.15 one day and
-// nothing the next; two streams keep twice the lines in flight. AMD CPUs keep one stream a
-// thread (unmeasured there).
+// nothing the next; two streams keep twice the lines in flight. This runs on an Intel CPU with
+// AVX512-BF16 (pairs_run; without it bf16 takes the AVX2 loop); AMD CPUs keep one stream a thread
+// (unmeasured there), and so does fp32: on the AMX kind no single fp32 row reaches this kernel
+// (eager sends it to MKL, the graphs to Inductor's reductions); on Ice Lake, where eager's do, the
+// pairing is unmeasured.
 constexpr int64_t kPairGap = 64;
 
 CANN_BF16_TARGET inline void bf16_pair(const uint16_t* x, const uint16_t* wa, const uint16_t* wb, int64_t K,
