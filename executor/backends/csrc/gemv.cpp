@@ -140,11 +140,11 @@ CANN_F32_TARGET inline void f32_row(const float* x, int64_t ldx, const float* w,
 // took 0.756x the time in eager, 0.755x in ge_graph and 0.707x in SK decoder, faster in 8 of 8
 // rounds each, tokens the same (BENCHMARKS.md, "seventy-third pass"). One stream a thread read
 // 0.60-0.78 of the sum's rate there from run to run, its look-ahead worth 0.15 one day and
-// nothing the next; likely two streams keep twice the lines in flight (not profiled). This runs on an Intel CPU with
-// AVX512-BF16 (pairs_run; without it bf16 takes the AVX2 loop); AMD CPUs keep one stream a thread
-// (unmeasured there), and so does fp32: on the AMX kind no single fp32 row reaches this kernel
-// (eager sends it to MKL, the graphs to Inductor's reductions); on Ice Lake, where eager's do, the
-// pairing is unmeasured.
+// nothing the next; likely two streams keep twice the lines in flight (not profiled). This runs
+// on an Intel CPU with AVX512-BF16 (pairs_run; without it bf16 takes the AVX2 loop); AMD CPUs keep
+// one stream a thread (unmeasured there), and so does fp32: on the AMX kind no single fp32 row
+// reaches this kernel (eager sends it to MKL, the graphs to Inductor's reductions); on Ice Lake,
+// where eager's do, the pairing is unmeasured.
 constexpr int64_t kPairGap = 64;
 
 CANN_BF16_TARGET inline void bf16_pair(const uint16_t* x, const uint16_t* wa, const uint16_t* wb, int64_t K,
