@@ -73,6 +73,14 @@ inline void ahead_l2(const void* p) {
   for (int i = 0; i < 4; ++i) _mm_prefetch(a + 64 * i, _MM_HINT_T1);
 }
 
+// One bf16 output from a row's 4 accumulators: their sum in one fixed order plus the bias, rounded to
+// nearest even as aten does. bf16_row and bf16_pair both end here, so that an output does not
+// depend on which of them ran it (tests/test_eager_linear.py compares them bit for bit).
+CANN_BF16_TARGET inline uint16_t bf16_sum(const __m512 acc[4], float bias) {
+  const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+  return c10::BFloat16(_mm512_reduce_add_ps(sum) + bias).x;
+}
+
 // Output n of MB rows, bf16: the weight row read front to back (consecutive rows are consecutive
 // memory, so a thread's share of the weight is one sequential stream), 4 x 32 k values per step
 // into 4 independent accumulators per row of x, the tail 32 at a time, masked. kAhead: each step
@@ -98,10 +106,7 @@ CANN_BF16_TARGET inline void bf16_row(const uint16_t* x, int64_t ldx, const uint
     for (int m = 0; m < MB; ++m)
       acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wr, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * ldx + k));
   }
-  for (int m = 0; m < MB; ++m) {
-    const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]), _mm512_add_ps(acc[m][2], acc[m][3]));
-    y[m * ldy] = c10::BFloat16(_mm512_reduce_add_ps(sum) + bias).x;  // round to nearest even, as aten does
-  }
+  for (int m = 0; m < MB; ++m) y[m * ldy] = bf16_sum(acc[m], bias);
 }
 
 // The same in fp32: 4 x 16 k values per step, FMA.
@@ -167,9 +172,8 @@ CANN_BF16_TARGET inline void bf16_pair(const uint16_t* x, const uint16_t* wa, co
     a[0] = _mm512_dpbf16_ps(a[0], (__m512bh)_mm512_maskz_loadu_epi16(mask, wa + k), xv);
     b[0] = _mm512_dpbf16_ps(b[0], (__m512bh)_mm512_maskz_loadu_epi16(mask, wb + k), xv);
   }
-  // the sums in bf16_row's order, so that a row's output does not depend on the loop that ran it
-  *ya = c10::BFloat16(_mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]))) + ba).x;
-  *yb = c10::BFloat16(_mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(b[0], b[1]), _mm512_add_ps(b[2], b[3]))) + bb).x;
+  *ya = bf16_sum(a, ba);
+  *yb = bf16_sum(b, bb);
 }
 
 // --- Up to 64 rows (cann_cpu::dot_linear; the eager path gives it 3-64): AVX-512 tiles ---
