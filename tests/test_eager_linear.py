@@ -77,8 +77,9 @@ def test_autograd_stays_with_aten():
 
 def test_many_bf16_rows_go_to_the_rows_kernel_except_on_a_cpu_with_amx():
     """Up to 64 rows: on a CPU with AMX the AMX loop takes those of a weight of whole 64-row blocks as
-    stored, on another AVX512-BF16 CPU dot_linear takes any weight as stored. Past 64 rows the rows
-    kernel takes a weight as stored, packing it as it goes, where it has a loop for it: its AVX2 loop
+    stored (and more, up to AMX_STORED_MAX_ROWS), on another AVX512-BF16 CPU dot_linear takes any
+    weight as stored. Past 64 rows the rows kernel takes a weight as stored, packing it as it goes,
+    where it has a loop for it: its AVX2 loop
     (whole 16-row blocks) where oneDNN would emulate bf16 (an AVX2 host; dot_linear's AVX2 loop only
     up to 11 rows), its AVX-512 loop (whole 64-row blocks, K even) on an AVX512-BF16 CPU without AMX;
     aten's linear (oneDNN) otherwise, and for a weight the blocks do not divide."""
@@ -91,8 +92,10 @@ def test_many_bf16_rows_go_to_the_rows_kernel_except_on_a_cpu_with_amx():
         got = mode.linear(x, big.weight, big.bias)
         mode.linear(x, big.weight[:-8], big.bias[:-8])  # just below the size limit: aten
         x_many = torch.randn(65, 256).to(torch.bfloat16)
-        many = mode.linear(x_many, big.weight, big.bias)  # past dot_linear and the AMX loop
+        many = mode.linear(x_many, big.weight, big.bias)  # past dot_linear (on AMX: still its loop)
         mode.linear(x_many, odd.weight, odd.bias)  # the AVX2 loop's blocks divide it, the AVX-512 one's not
+        x_past = torch.randn(eager_linear.AMX_STORED_MAX_ROWS + 1, 256).to(torch.bfloat16)
+        past = mode.linear(x_past, big.weight, big.bias)  # past the AMX loop's rows too
     want = F.linear(x.double(), big.weight.double(), big.bias.double())
     emulated = not packed_linear.supported(torch.bfloat16) and packed_linear.kernel_cols(torch.bfloat16) == 16
     avx512 = packed_linear.kernel_cols(torch.bfloat16) == 64 and not packed_linear.cpu_has_amx()
@@ -103,19 +106,20 @@ def test_many_bf16_rows_go_to_the_rows_kernel_except_on_a_cpu_with_amx():
     assert not (plain and amx)
     # 12 rows: dot_linear's AVX2 loop leaves them to the rows kernel
     dot = int(eager_linear.dot_runs(torch.bfloat16) and eager_linear.dot_max_rows(torch.bfloat16) >= 12)
-    rows_calls = (3 if emulated else 1) * plain  # the AVX2 loop: 12 rows, 65 rows twice; the AVX-512 one: `big` only
+    # the AVX2 loop: 12 rows, 65 rows twice, 193 rows; the AVX-512 one: `big` only (65 and 193 rows)
+    rows_calls = (4 if emulated else 2) * plain
     assert (mode.onednn_calls, mode.gemv_calls, mode.rows_calls, mode.amx_calls, mode.dot_calls) == (
         0,
         0,
         rows_calls,
-        int(amx),
+        2 * int(amx),  # 12 and 65 rows of `big`; `odd` is no whole 64-row blocks, 193 rows past the loop's
         dot,
     )
     torch.testing.assert_close(got.double(), want, rtol=8e-3, atol=1e-2)
     assert many.shape == (65, LARGE)
-    torch.testing.assert_close(
-        many.double(), F.linear(x_many.double(), big.weight.double(), big.bias.double()), rtol=8e-3, atol=1e-2
-    )
+    for x_in, y in ((x_many, many), (x_past, past)):
+        want = F.linear(x_in.double(), big.weight.double(), big.bias.double())
+        torch.testing.assert_close(y.double(), want, rtol=8e-3, atol=1e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

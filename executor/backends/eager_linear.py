@@ -44,11 +44,15 @@ on that CPU did better; the loop ran them at 0.50-0.55x oneDNN's time at 5 rows,
 0.84x at 32, and in bf16 at 0.74-0.90x the rows kernel's time at 5-7 rows, so it takes 3-32 fp32
 rows and 3-7 bf16 ones there (dot_max_rows; BENCHMARKS.md, "twenty-eighth pass").
 
-Why the AMX loop for 2-64 bf16 rows on a CPU with AMX (`cann_cpu::amx_linear` on the weight as
+Why the AMX loop for 2-192 bf16 rows on a CPU with AMX (`cann_cpu::amx_linear` on the weight as
 stored, csrc/amx_linear.cpp): aten's linear reorders the weight for oneDNN on every call, and read
 the 0.6B projections at 0.41 of a sum's rate at 4-16 rows on the AMX host; the loop, with the
 weight as its A operand, read them at 0.73-0.82 (BENCHMARKS.md, "twenty-sixth pass"). The batched
-eager decode step is where such products come from.
+eager decode step is where such products come from, and a short prompt's prefill: past 64 rows
+the loop ran the 0.6B projections at 1.1-1.4x aten's rate up to 128 rows, level at 192-256, and
+slower from 384; the bf16 prefill took 0.81x the time at 96 tokens, 0.855-0.874x at 128, 0.90x at
+160, 0.91-0.98x at 192, level at 256 and 1.13x at 512 (7 rounds in turns, one process, two runs;
+AMX_STORED_MAX_ROWS; BENCHMARKS.md, "seventy-fourth pass").
 
 What runs through here: `ops.linear` during the runner's eager prefill and the eager backend's
 decode step on CPU (executor.backends.eager_kernels installs it over the op table). A compiled
@@ -79,6 +83,9 @@ GEMV_SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cpp"
 PLAIN_COLS = 16  # rows_linear's AVX2 loop on a weight as stored (N a multiple of it; plain_cols)
 PLAIN_COLS_AVX512 = 64  # its AVX-512 bf16 loop on a weight as stored (N a multiple of it, K even)
 PLAIN_MAX_ROWS_F32 = 1024  # the most fp32 rows the rows kernel takes; aten's sgemm more (rows_run_plain)
+# The most bf16 rows the eager path gives the AMX loop on a weight as stored (a CPU with AMX; the
+# module docstring): the largest prompt length at which the 0.6B prefill was measured faster with it.
+AMX_STORED_MAX_ROWS = 192
 
 _lib = torch.library.Library("cann_cpu", "FRAGMENT")  # the namespace is defined by packed_linear
 _lib.define("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
@@ -263,7 +270,7 @@ class LinearKernel:
     dot_max_rows); for more rows the rows kernel on the weight as stored (rows_run_plain): on a CPU
     without AVX-512 (in fp32 up to PLAIN_MAX_ROWS_F32 rows, aten's past that), in bf16 also where
     oneDNN would emulate it, and on an AVX512-BF16 CPU without AMX; else oneDNN in fp32 and in bf16
-    the AMX loop (2-64 rows, a CPU with AMX); the reference otherwise. The counts are what
+    the AMX loop (2-AMX_STORED_MAX_ROWS rows, a CPU with AMX); the reference otherwise. The counts are what
     metrics.json reports."""
 
     def __init__(self):
@@ -282,7 +289,7 @@ class LinearKernel:
             if rows <= gemv_max_rows(weight.dtype) and weight.stride(1) == 1 and gemv_runs(weight.dtype):
                 self.gemv_calls += 1
                 return torch.ops.cann_cpu.gemv.default(x, weight, bias)
-            if weight.stride(1) == 1 and packed_linear.amx_fits(weight, rows):
+            if weight.stride(1) == 1 and packed_linear.amx_fits(weight, rows, AMX_STORED_MAX_ROWS):
                 self.amx_calls += 1
                 return torch.ops.cann_cpu.amx_linear.default(x, weight, bias)
             if DOT_MIN_ROWS <= rows <= dot_max_rows(weight.dtype) and weight.stride(1) == 1 and dot_runs(weight.dtype):
@@ -321,7 +328,7 @@ def kernel_for(model: torch.nn.Module, device: torch.device, dtype: torch.dtype)
     bf16 on an AVX512-BF16 CPU without AMX: dot_linear for 3-64 rows, the rows kernel's AVX-512 loop
     past that; bf16 where oneDNN would emulate it: dot_linear's AVX2 loop takes 3-11 rows, the rows
     kernel more), "onednn" (fp32 elsewhere), "gemv" (bf16: its few-row products), "gemv+amx_linear"
-    (bf16 on a CPU with AMX: the AMX loop takes 2-64 rows), "gemv+rows_linear" (bf16 where oneDNN
+    (bf16 on a CPU with AMX: the AMX loop takes 2-192 rows), "gemv+rows_linear" (bf16 where oneDNN
     would emulate it, without AVX2 for dot_linear) or "aten" (another device or dtype, or no weight
     large enough). Asking builds no kernel."""
     large = any(p.dim() == 2 and p.numel() >= packed_linear.MIN_WEIGHT_NUMEL for p in model.parameters())
