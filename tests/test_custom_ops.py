@@ -28,6 +28,7 @@ from executor import custom_ops, ops
 from executor.backends import npu, npu_decode_attention
 from executor.backends.base import UnsupportedError
 from executor.config import load_config
+from executor.custom_ops._build import cpu_has_amx
 from executor.errors import RecipeError
 from executor.ops import reference
 from executor.platform import Platform, detect
@@ -207,13 +208,14 @@ def test_unknown_or_repeated_custom_op_is_a_config_error_listing_the_available()
 
 def test_left_out_custom_ops_are_chosen_by_the_cache_length_and_a_list_is_the_users():
     op = custom_ops.load("decode_attention")
-    at = op.auto_min_slots(128)
+    at = op.auto_min_slots(128, cpu_has_amx())  # this CPU's threshold
     assert at > 0
+    amx = " on a CPU with AMX" if cpu_has_amx() else ""
     chosen, why = custom_ops.resolve(None, "cpu", at, 128, 1)
-    assert chosen == ("decode_attention",) and f"at {at} KV-cache slots (>= {at} at head_dim 128)" in why
+    assert chosen == ("decode_attention",) and f"at {at} KV-cache slots (>= {at} at head_dim 128{amx})" in why
     assert "[] runs without" in why
     chosen, why = custom_ops.resolve(None, "cpu", at - 1, 128, 1)
-    assert chosen == () and f"from {at} KV-cache slots at head_dim 128, this run has {at - 1}" in why
+    assert chosen == () and f"from {at} KV-cache slots at head_dim 128{amx}, this run has {at - 1}" in why
     assert custom_ops.resolve((), "cpu", 16 * at, 128, 1)[0] == ()  # [] keeps the reference at any length
     assert custom_ops.resolve(("decode_attention",), "cpu", 8, 128, 1)[0] == ("decode_attention",)
     for device, world in (("npu", 1), ("cuda", 1), ("cpu", 2)):  # measured on one CPU rank only
@@ -232,6 +234,17 @@ def test_the_cache_length_that_pays_scales_with_head_dim():
     assert custom_ops.resolve(None, "cpu", slots, 128, 1)[0] == ("decode_attention",)
     chosen, why = custom_ops.resolve(None, "cpu", slots, 32, 1)
     assert chosen == () and f"from {4 * slots} KV-cache slots at head_dim 32, this run has {slots}" in why
+
+
+def test_a_cpu_with_amx_gets_decode_attention_from_fewer_slots_at_head_dim_128_and_up():
+    """Measured there at head_dim 128 from 33 slots (BENCHMARKS.md, "seventy-fourth pass"); narrower
+    heads, and every other CPU, keep the general rule."""
+    op = custom_ops.load("decode_attention")
+    assert 0 < op.amx_min_slots < op.auto_min_slots(128)
+    assert op.auto_min_slots(128, amx=True) == op.amx_min_slots == op.auto_min_slots(256, amx=True)
+    assert op.auto_min_slots(64, amx=True) == op.auto_min_slots(64) == 2 * op.auto_min_slots(128)
+    chosen, why = custom_ops.resolve(None, "cpu", op.amx_min_slots, 128, 1)
+    assert (chosen == ("decode_attention",)) == cpu_has_amx(), why
 
 
 def test_eager_gets_decode_attention_at_any_cache_length():

@@ -22,6 +22,10 @@ from dataclasses import dataclass
 
 from executor.errors import RecipeError
 
+# The narrowest heads an op's AMX threshold (CustomOp.amx_min_slots) covers: the head_dim it was
+# measured at; narrower heads keep the general rule there.
+AMX_MIN_HEAD_DIM = 128
+
 
 class CustomOpError(RecipeError):
     """An unknown, duplicated or unusable custom op; one line naming it and what is allowed."""
@@ -45,16 +49,22 @@ class CustomOp:
     # ... and an eager one at any cache length (auto_min_kv_values > 0 only): a threshold that
     # exists because the op's extern call splits a compiled graph's fused kernels has no reason in eager
     auto_in_eager: bool = False
+    # ... and on a CPU with AMX, with heads of AMX_MIN_HEAD_DIM values or more, from this many slots
+    # where that is fewer (0: the rule above everywhere)
+    amx_min_slots: int = 0
 
     @property
     def library(self) -> str:
         """File name of its built CPU kernel library."""
         return f"cann_{self.name}"
 
-    def auto_min_slots(self, head_dim: int) -> int:
+    def auto_min_slots(self, head_dim: int, amx: bool = False) -> int:
         """The fewest KV-cache slots at which a compiled run with heads of `head_dim` gets the op
-        by default (0: never)."""
-        return -(-self.auto_min_kv_values // head_dim) if self.auto_min_kv_values else 0
+        by default (0: never), on a CPU with AMX where `amx`."""
+        slots = -(-self.auto_min_kv_values // head_dim) if self.auto_min_kv_values else 0
+        if slots and amx and self.amx_min_slots and head_dim >= AMX_MIN_HEAD_DIM:
+            return min(slots, self.amx_min_slots)
+        return slots
 
 
 def available() -> list[str]:
@@ -131,8 +141,9 @@ def resolve(
 
     `names` is model_config.custom_ops. A list, even an empty one, is the user's and is taken as
     given (the pre-flight then refuses what cannot run). Left out (None), the ops that pay at this
-    run's static cache length and head_dim are chosen (`CustomOp.auto_min_kv_values`; in eager at
-    any length where `CustomOp.auto_in_eager`): on CPU and one rank only, where they were measured,
+    run's static cache length and head_dim are chosen (`CustomOp.auto_min_kv_values`, on a CPU
+    with AMX `CustomOp.amx_min_slots` where fewer; in eager at any length where
+    `CustomOp.auto_in_eager`): on CPU and one rank only, where they were measured,
     and only where the kernel is built or can be built here, since nobody asked for it and a
     missing compiler must not stop the run. Each op's entry says why its threshold is where it is.
     """
@@ -142,18 +153,19 @@ def resolve(
     if device != "cpu" or world > 1:
         where = f"{world} ranks" if world > 1 else device
         return (), f"custom ops: none ({left_out}: ops are chosen on CPU with one rank, not on {where})"
+    from executor.custom_ops._build import check_buildable, cpu_has_amx
+
     chosen, why = [], []
     for name in available():
         op = load(name)
-        at = op.auto_min_slots(head_dim)
+        at = op.auto_min_slots(head_dim, cpu_has_amx())
         if not at:
             continue
+        amx = " on a CPU with AMX" if at < op.auto_min_slots(head_dim) else ""
         eager = exe_mode == "eager" and op.auto_in_eager
         if kv_slots < at and not eager:
-            why.append(f"{name} from {at} KV-cache slots at head_dim {head_dim}, this run has {kv_slots}")
+            why.append(f"{name} from {at} KV-cache slots at head_dim {head_dim}{amx}, this run has {kv_slots}")
             continue
-        from executor.custom_ops._build import check_buildable
-
         try:
             check_buildable(op.qualname, op.library, list(op.sources), remedy="")
         except RecipeError as exc:
@@ -163,7 +175,7 @@ def resolve(
         why.append(
             f"{name} in eager at any KV-cache length"
             if eager
-            else f"{name} at {kv_slots} KV-cache slots (>= {at} at head_dim {head_dim})"
+            else f"{name} at {kv_slots} KV-cache slots (>= {at} at head_dim {head_dim}{amx})"
         )
     detail = "; ".join(why) + ("; [] runs without" if chosen else "") or "none is chosen"
     return tuple(chosen), f"custom ops: {', '.join(chosen) or 'none'} ({left_out}: {detail})"

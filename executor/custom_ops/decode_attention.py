@@ -70,6 +70,12 @@ OP = CustomOp(
     # order ("sixteenth", "seventeenth", "twenty-second" and "sixty-sixth pass"); rows are not
     # counted (at 64 slots, batch 4-64 were level on the AVX2 host, "twenty-third pass").
     auto_min_kv_values=128 * 128,
+    # On the Intel AMX kind at head_dim 128 the op paid from the shortest cache measured, 33 slots
+    # (the 0.6B bf16 step with the op, paired rounds in one process, 6-10 rounds): ge_graph 0.864x
+    # and 0.893x at batch 1 (every round faster), level at 4 (0.999x), 0.983x at 16, 0.962x at 64;
+    # SK decoder 0.997x at 1, 0.993x at 4, 0.962x at 16, 0.950x at 64 (BENCHMARKS.md,
+    # "seventy-fourth pass"). Narrower heads there are unmeasured and keep the rule above.
+    amx_min_slots=32,
     # In eager nothing is fused to split: at 64 slots the eager 0.6B step took 0.87x (bf16 batch 1),
     # 0.85x / 0.86x (bf16 batch 16 / 64) and 0.89x (fp32 batch 16) the time with the op, where the
     # reference ran two bmm calls of ~280 us per layer at batch 16 (AVX-512 host; "twenty-seventh
