@@ -208,13 +208,13 @@ def test_unknown_or_repeated_custom_op_is_a_config_error_listing_the_available()
 
 def test_left_out_custom_ops_are_chosen_by_the_cache_length_and_a_list_is_the_users():
     op = custom_ops.load("decode_attention")
-    at = op.auto_min_slots(128, cpu_has_amx())  # this CPU's threshold
+    at = op.auto_min_slots(128, cpu_has_amx())  # this CPU's threshold for a bf16 run
     assert at > 0
-    amx = " on a CPU with AMX" if cpu_has_amx() else ""
-    chosen, why = custom_ops.resolve(None, "cpu", at, 128, 1)
+    amx = " in bf16 on a CPU with AMX" if cpu_has_amx() else ""
+    chosen, why = custom_ops.resolve(None, "cpu", at, 128, 1, bf16=True)
     assert chosen == ("decode_attention",) and f"at {at} KV-cache slots (>= {at} at head_dim 128{amx})" in why
     assert "[] runs without" in why
-    chosen, why = custom_ops.resolve(None, "cpu", at - 1, 128, 1)
+    chosen, why = custom_ops.resolve(None, "cpu", at - 1, 128, 1, bf16=True)
     assert chosen == () and f"from {at} KV-cache slots at head_dim 128{amx}, this run has {at - 1}" in why
     assert custom_ops.resolve((), "cpu", 16 * at, 128, 1)[0] == ()  # [] keeps the reference at any length
     assert custom_ops.resolve(("decode_attention",), "cpu", 8, 128, 1)[0] == ("decode_attention",)
@@ -236,15 +236,16 @@ def test_the_cache_length_that_pays_scales_with_head_dim():
     assert chosen == () and f"from {4 * slots} KV-cache slots at head_dim 32, this run has {slots}" in why
 
 
-def test_a_cpu_with_amx_gets_decode_attention_from_fewer_slots_at_head_dim_128_and_up():
-    """Measured there at head_dim 128 from 33 slots (BENCHMARKS.md, "seventy-fourth pass"); narrower
-    heads, and every other CPU, keep the general rule."""
+def test_a_bf16_run_on_a_cpu_with_amx_gets_decode_attention_from_fewer_slots_at_head_dim_128_and_up():
+    """Measured faster there in bf16 at head_dim 128 from 33 slots, mixed in fp32 (BENCHMARKS.md,
+    "seventy-fourth pass"); fp32, narrower heads and every other CPU keep the general rule."""
     op = custom_ops.load("decode_attention")
     assert 0 < op.amx_min_slots < op.auto_min_slots(128)
     assert op.auto_min_slots(128, amx=True) == op.amx_min_slots == op.auto_min_slots(256, amx=True)
     assert op.auto_min_slots(64, amx=True) == op.auto_min_slots(64) == 2 * op.auto_min_slots(128)
-    chosen, why = custom_ops.resolve(None, "cpu", op.amx_min_slots, 128, 1)
+    chosen, why = custom_ops.resolve(None, "cpu", op.amx_min_slots, 128, 1, bf16=True)
     assert (chosen == ("decode_attention",)) == cpu_has_amx(), why
+    assert custom_ops.resolve(None, "cpu", op.amx_min_slots, 128, 1)[0] == ()  # fp32
 
 
 def test_eager_gets_decode_attention_at_any_cache_length():
@@ -268,6 +269,20 @@ def test_without_a_compiler_a_left_out_op_is_not_chosen_and_the_reason_is_said(t
     ), out
     assert "remove it from model_config.custom_ops" not in out
     assert not list((tmp_path / "ext").glob("*/*.so"))
+
+
+def test_a_bf16_compiled_run_with_heads_of_128_gets_the_op_from_32_slots_on_a_cpu_with_amx(make_qwen_runner, tmp_path):
+    """End to end through the pre-flight, which passes the run's dtype: with heads of 128 and 34
+    slots a bf16 ge_graph run layers the op on a CPU with AMX and nowhere else, an fp32 one nowhere."""
+    import tests.checkpoints as ckpt
+
+    path = ckpt.make_qwen3_checkpoint(tmp_path / "qwen3", head_dim=128)
+    slots = ["model_config.exe_mode=ge_graph", "data_config.input_truncated_len=30"]
+    bf16 = make_qwen_runner(path, *slots, "model_config.dtype=bfloat16", max_new_tokens=4)
+    fp32 = make_qwen_runner(path, *slots, max_new_tokens=4)
+    want = "reference+decode_attention" if cpu_has_amx() else "reference"
+    assert bf16.context.op_table == want, bf16.custom_ops_note
+    assert fp32.context.op_table == "reference", fp32.custom_ops_note
 
 
 def test_a_long_cache_gets_the_op_unless_the_config_lists_none(make_qwen_runner, qwen3_ckpt):

@@ -49,8 +49,8 @@ class CustomOp:
     # ... and an eager one at any cache length (auto_min_kv_values > 0 only): a threshold that
     # exists because the op's extern call splits a compiled graph's fused kernels has no reason in eager
     auto_in_eager: bool = False
-    # ... and on a CPU with AMX, with heads of AMX_MIN_HEAD_DIM values or more, from this many slots
-    # where that is fewer (0: the rule above everywhere)
+    # ... and in a bf16 run on a CPU with AMX, with heads of AMX_MIN_HEAD_DIM values or more, from
+    # this many slots where that is fewer (0: the rule above everywhere)
     amx_min_slots: int = 0
 
     @property
@@ -60,7 +60,7 @@ class CustomOp:
 
     def auto_min_slots(self, head_dim: int, amx: bool = False) -> int:
         """The fewest KV-cache slots at which a compiled run with heads of `head_dim` gets the op
-        by default (0: never), on a CPU with AMX where `amx`."""
+        by default (0: never); `amx`: a bf16 run on a CPU with AMX."""
         slots = -(-self.auto_min_kv_values // head_dim) if self.auto_min_kv_values else 0
         if slots and amx and self.amx_min_slots and head_dim >= AMX_MIN_HEAD_DIM:
             return min(slots, self.amx_min_slots)
@@ -135,14 +135,20 @@ def check_runnable(names: Sequence[str], device: str, exe_mode: str) -> None:
 
 
 def resolve(
-    names: Sequence[str] | None, device: str, kv_slots: int, head_dim: int, world: int, exe_mode: str = "ge_graph"
+    names: Sequence[str] | None,
+    device: str,
+    kv_slots: int,
+    head_dim: int,
+    world: int,
+    exe_mode: str = "ge_graph",
+    bf16: bool = False,
 ) -> tuple[tuple[str, ...], str]:
     """The custom ops a run layers on its op table, and one line saying why.
 
     `names` is model_config.custom_ops. A list, even an empty one, is the user's and is taken as
     given (the pre-flight then refuses what cannot run). Left out (None), the ops that pay at this
-    run's static cache length and head_dim are chosen (`CustomOp.auto_min_kv_values`, on a CPU
-    with AMX `CustomOp.amx_min_slots` where fewer; in eager at any length where
+    run's static cache length and head_dim are chosen (`CustomOp.auto_min_kv_values`, in a bf16
+    run (`bf16`) on a CPU with AMX `CustomOp.amx_min_slots` where fewer; in eager at any length where
     `CustomOp.auto_in_eager`): on CPU and one rank only, where they were measured,
     and only where the kernel is built or can be built here, since nobody asked for it and a
     missing compiler must not stop the run. Each op's entry says why its threshold is where it is.
@@ -158,10 +164,10 @@ def resolve(
     chosen, why = [], []
     for name in available():
         op = load(name)
-        at = op.auto_min_slots(head_dim, cpu_has_amx())
+        at = op.auto_min_slots(head_dim, bf16 and cpu_has_amx())
         if not at:
             continue
-        amx = " on a CPU with AMX" if at < op.auto_min_slots(head_dim) else ""
+        amx = " in bf16 on a CPU with AMX" if at < op.auto_min_slots(head_dim) else ""
         eager = exe_mode == "eager" and op.auto_in_eager
         if kv_slots < at and not eager:
             why.append(f"{name} from {at} KV-cache slots at head_dim {head_dim}{amx}, this run has {kv_slots}")

@@ -74,7 +74,9 @@ OP = CustomOp(
     # (the 0.6B bf16 step with the op, paired rounds in one process, 6-10 rounds): ge_graph 0.864x
     # and 0.893x at batch 1 (every round faster), level at 4 (0.999x), 0.983x at 16, 0.962x at 64;
     # SK decoder 0.997x at 1, 0.993x at 4, 0.962x at 16, 0.950x at 64 (BENCHMARKS.md,
-    # "seventy-fourth pass"). Narrower heads there are unmeasured and keep the rule above.
+    # "seventy-fourth pass"). In fp32 it was mixed there (ge_graph 1.027x at batch 1 and 0.972x at
+    # 16, SK decoder 0.983x and 1.016x), so fp32 keeps the rule above, as do narrower heads
+    # (unmeasured there).
     amx_min_slots=32,
     # In eager nothing is fused to split: at 64 slots the eager 0.6B step took 0.87x (bf16 batch 1),
     # 0.85x / 0.86x (bf16 batch 16 / 64) and 0.89x (fp32 batch 16) the time with the op, where the
