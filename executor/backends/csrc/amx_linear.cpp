@@ -19,14 +19,17 @@
 // With more than 16 rows the block is run once per tile of rows, its later tiles reading it from
 // L2. Two row tiles sharing each B tile (2 x 2 tiles over 32 columns, half the B loads) read
 // 0.9x as fast at 32-64 rows, and level in a later pass (0.61 against 0.63 of a sum's rate at 32
-// rows, 0.48 and 0.48 at 64). There one core issued tdpbf16ps alone every 5.7 ns and a 16-row
-// tileloadd every ~17 ns from L1 at any stride, and this loop's chunk (5 loads, 4 products) took
-// 93 ns from L1, 111-115 from L2: a chunk alone is bound by its loads, the loop at 64 rows by neither
-// loads nor products alone. The later tiles asking for the next block into L2 (0.61 / 0.44 at 32 /
-// 64 rows) and one 16-column group at a time under every tile of rows (0.48 / 0.38) read slower
-// (BENCHMARKS.md, "seventy-third pass").
+// rows, 0.48 and 0.48 at 64). One core runs this loop's chunk (5 loads, 4 products) in 20-25 ns
+// with everything in L1 (2.6-3.3 TFLOP/s; a 16-row tileloadd from L1 ~2.5 ns), in ~41 ns with the
+// B tiles in L2 and ~153 ns from memory (one core's share of the read bandwidth). So at 64 rows a
+// block's first tile of rows waits on memory while the later ones compute from L2 with memory idle.
+// Asking for the next block during the later tiles read slower (0.61 / 0.44 of a sum's rate at 32 /
+// 64 rows; 0.85 against 0.95 TFLOP/s at 64 rows in a microbenchmark), as did one 16-column group at
+// a time under every tile of rows (0.48 / 0.38) and K in slices kept in L1 (BENCHMARKS.md,
+// "seventy-third" and "seventy-fourth pass").
 //
-// The weight as stored, (N, K), is taken as well (the eager decode step, which keeps no packed copy):
+// The weight as stored, (N, K), is taken as well (the eager decode step, which keeps no packed copy,
+// and a short prompt's products: eager_linear.AMX_STORED_MAX_ROWS):
 // then the weight is the A operand, 16 of its rows (64 bytes of k each, rows K apart) per tile, and
 // x is the B operand, transposed into k pairs once per call, so the tiles compute y^T and the store
 // transposes it back. It read 0.73-0.82 of a sum's rate at 4-16 rows (two passes), aten's linear
