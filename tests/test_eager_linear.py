@@ -79,10 +79,10 @@ def test_many_bf16_rows_go_to_the_rows_kernel_except_on_a_cpu_with_amx():
     """Up to 64 rows: on a CPU with AMX the AMX loop takes those of a weight of whole 64-row blocks as
     stored (and more, up to AMX_STORED_MAX_ROWS), on another AVX512-BF16 CPU dot_linear takes any
     weight as stored. Past 64 rows the rows kernel takes a weight as stored, packing it as it goes,
-    where it has a loop for it: its AVX2 loop
-    (whole 16-row blocks) where oneDNN would emulate bf16 (an AVX2 host; dot_linear's AVX2 loop only
-    up to 11 rows), its AVX-512 loop (whole 64-row blocks, K even) on an AVX512-BF16 CPU without AMX;
-    aten's linear (oneDNN) otherwise, and for a weight the blocks do not divide."""
+    where it has a loop for it: its AVX2 loop (whole 16-row blocks) where oneDNN would emulate bf16
+    (an AVX2 host; dot_linear's AVX2 loop only up to 11 rows), its AVX-512 loop (whole 64-row blocks,
+    K even) on an AVX512-BF16 CPU without AMX; aten's linear (oneDNN) otherwise, and for a weight
+    the blocks do not divide."""
     torch.manual_seed(0)
     big = torch.nn.Linear(256, LARGE).to(torch.bfloat16)
     odd = torch.nn.Linear(256, LARGE + 16).to(torch.bfloat16)  # N a multiple of 16, not of 64

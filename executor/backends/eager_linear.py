@@ -270,8 +270,8 @@ class LinearKernel:
     dot_max_rows); for more rows the rows kernel on the weight as stored (rows_run_plain): on a CPU
     without AVX-512 (in fp32 up to PLAIN_MAX_ROWS_F32 rows, aten's past that), in bf16 also where
     oneDNN would emulate it, and on an AVX512-BF16 CPU without AMX; else oneDNN in fp32 and in bf16
-    the AMX loop (2-AMX_STORED_MAX_ROWS rows, a CPU with AMX); the reference otherwise. The counts are what
-    metrics.json reports."""
+    the AMX loop (2-AMX_STORED_MAX_ROWS rows, a CPU with AMX); the reference otherwise. The counts
+    are what metrics.json reports."""
 
     def __init__(self):
         self.onednn_calls = 0

@@ -160,10 +160,10 @@ def amx_fits(weight: torch.Tensor, rows: int, max_rows: int = AMX_MAX_ROWS) -> b
     takes more: eager_linear.AMX_STORED_MAX_ROWS), a CPU with AMX. A single row stays with the GEMV
     kernel on the weight as stored: the loop on its packed copy read the 0.6B weights at 0.84 of a
     sum's rate against the kernel's 0.78, but a graph's bf16 batch-1 step sending its single rows
-    there took as long (ge_graph 68.0 against 68.1 ms, SK decoder 58.5 against 57.3; 8 rounds in turns, one process)
-    and would keep a second copy of every weight (BENCHMARKS.md, "seventy-second pass"; the
-    twenty-sixth had read both at 0.92-0.93). Since the kernel runs a single bf16 row as two streams
-    a thread on an Intel CPU it read 0.86-0.89 ("seventy-third pass")."""
+    there took as long (ge_graph 68.0 against 68.1 ms, SK decoder 58.5 against 57.3; 8 rounds in
+    turns, one process) and would keep a second copy of every weight (BENCHMARKS.md, "seventy-second
+    pass"; the twenty-sixth had read both at 0.92-0.93). Since the kernel runs a single bf16 row as
+    two streams a thread on an Intel CPU it read 0.86-0.89 ("seventy-third pass")."""
     return 1 < rows <= max_rows and _amx_fits(*weight.shape, weight.dtype)
 
 

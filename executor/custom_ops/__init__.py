@@ -148,10 +148,10 @@ def resolve(
     `names` is model_config.custom_ops. A list, even an empty one, is the user's and is taken as
     given (the pre-flight then refuses what cannot run). Left out (None), the ops that pay at this
     run's static cache length and head_dim are chosen (`CustomOp.auto_min_kv_values`, in a bf16
-    run (`bf16`) on a CPU with AMX `CustomOp.amx_min_slots` where fewer; in eager at any length where
-    `CustomOp.auto_in_eager`): on CPU and one rank only, where they were measured,
-    and only where the kernel is built or can be built here, since nobody asked for it and a
-    missing compiler must not stop the run. Each op's entry says why its threshold is where it is.
+    run (`bf16`) on a CPU with AMX `CustomOp.amx_min_slots` where fewer; in eager at any length
+    where `CustomOp.auto_in_eager`): on CPU and one rank only, where they were measured, and only
+    where the kernel is built or can be built here, since nobody asked for it and a missing compiler
+    must not stop the run. Each op's entry says why its threshold is where it is.
     """
     if names is not None:
         return tuple(names), f"custom ops: {', '.join(names) or 'none'} (model_config.custom_ops)"
