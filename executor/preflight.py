@@ -120,8 +120,9 @@ def check(
     check_arch(layout, arch)
     meta = meta_model(runner, arch, layout)
     plan = scope_plan(meta.regions(), mc)
+    bf16 = dtype == torch.bfloat16
     chosen, note = custom_ops.resolve(
-        mc.custom_ops, platform.kind, cfg.max_len, arch.head_dim, layout.world, mc.exe_mode, dtype == torch.bfloat16
+        mc.custom_ops, platform.kind, cfg.max_len, arch.head_dim, layout.world, mc.exe_mode, bf16=bf16
     )
     cfg = dataclasses.replace(cfg, model_config=dataclasses.replace(mc, custom_ops=chosen))
     custom_ops.check_runnable(chosen, platform.kind, mc.exe_mode)  # no kernel here, no compiler

@@ -118,8 +118,8 @@ def test_many_bf16_rows_go_to_the_rows_kernel_except_on_a_cpu_with_amx():
     torch.testing.assert_close(got.double(), want, rtol=8e-3, atol=1e-2)
     assert many.shape == (65, LARGE)
     for x_in, y in ((x_many, many), (x_past, past)):
-        want = F.linear(x_in.double(), big.weight.double(), big.bias.double())
-        torch.testing.assert_close(y.double(), want, rtol=8e-3, atol=1e-2)
+        ref = F.linear(x_in.double(), big.weight.double(), big.bias.double())
+        torch.testing.assert_close(y.double(), ref, rtol=8e-3, atol=1e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
