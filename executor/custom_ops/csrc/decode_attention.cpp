@@ -234,12 +234,22 @@ constexpr int64_t kBlock = 32;  // cache slots widened to fp32 at a time (32 x 1
 // 8192 slots with the 0.6B shape's heads, 0.82x at 2048, and 0.82-0.89x with Qwen3-8B's heads (four
 // to a kv head) at batch 1-4; level at batch 16 and 33 slots. Eight or sixteen rows at a time in
 // the column order took 1.10-1.34x the time (BENCHMARKS.md, "sixty-sixth pass").
+//
+// On an Intel CPU (kv_ahead) the first head's pass also asks for the next group's four K rows and
+// the four V rows of the same slots (`v`, rows `vstride` apart; none at or past `rows_left`), into
+// L1: the V rows, read only after every score of the item, then stream alongside the K rows instead
+// of after them. See the note above fp32_rows for what it measured.
 constexpr int64_t kNativeMaxD = 256;
 
 #ifdef CANN_ATTN_BF16
+// The cache lines of a row of D bf16 values, asked for into L1.
+CANN_ATTN_BF16_TARGET inline void prefetch_row(const uint16_t* row, int64_t D) {
+  for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
+}
+
 CANN_ATTN_BF16_TARGET void k_scores_bf16(const uint16_t* q, int64_t ldq, int64_t G, const uint16_t* k,
                                          int64_t stride, int64_t nb, int64_t D, float scale, float* out,
-                                         int64_t ldo) {
+                                         int64_t ldo, const uint16_t* v, int64_t vstride, int64_t rows_left) {
   const int64_t C = D / 32;
   const __m128 vscale = _mm_set1_ps(scale);
   for (int64_t g = 0; g < G; ++g) {
@@ -247,6 +257,11 @@ CANN_ATTN_BF16_TARGET void k_scores_bf16(const uint16_t* q, int64_t ldq, int64_t
     for (int64_t c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + g * ldq + 32 * c);
     for (int64_t t = 0; t < nb; t += 4) {
       const int64_t left = std::min<int64_t>(4, nb - t);
+      if (g == 0 && v != nullptr)
+        for (int64_t r = t + 4; r < std::min(t + 8, rows_left); ++r) {
+          prefetch_row(k + r * stride, D);
+          prefetch_row(v + r * vstride, D);
+        }
       const uint16_t* rows[4];
       for (int64_t i = 0; i < 4; ++i) rows[i] = k + (t + (i < left ? i : 0)) * stride;
       __m512 acc[4];
@@ -319,15 +334,36 @@ bool native_bf16_scores() {
 #endif
 }
 
-// No software prefetch: the loops read their rows in address order and the hardware prefetcher
-// follows. Two look-aheads that had paid against loops reading the rows a column at a time cost
-// time once the rows were read in order (Zen 4, 28 layers' caches, one build switched at run time):
+// Whether k_scores_bf16 asks for the rows ahead (an Intel CPU; asked once).
+bool kv_ahead() {
+#ifdef CANN_ATTN_BF16
+  static const bool intel = __builtin_cpu_is("intel");
+  return intel;
+#else
+  return false;
+#endif
+}
+
+// No software prefetch on AMD, and in fp32 or without AVX512-BF16: the loops read their rows in
+// address order and the hardware prefetcher follows. Two look-aheads that had paid against loops
+// reading the rows a column at a time cost time once the rows were read in order (Zen 4, 28 layers'
+// caches, one build switched at run time):
 // - the next work item's first 16 KB of K and V rows, asked for before an item starts (forty-sixth
 //   pass: 0.70x at batch 16 and 33 slots in bf16): without it 0.66x the time in bf16 at batch 16 and
 //   64 and 33 slots, 0.91-0.94x in fp32, 0.96-1.03x at 512-2048 slots;
 // - the next block of rows inside an item (on in fp32 on AMD since the sixty-fifth pass): with it,
 //   1.02-1.17x the time in fp32 and 1.20-1.39x in bf16 at 512-8192 slots (BENCHMARKS.md,
 //   "sixty-sixth pass").
+// On the Intel AMX kind the bf16 op read its K and V rows at only 0.43-0.68 of a plain sum's rate
+// (28 layers' caches, batch 1-16, 33-2048 slots), and its loops alone ran about as fast on a cache
+// that fit in L2: the stream and the arithmetic took turns. There k_scores_bf16's look-ahead (the
+// next four K and V rows, into L1) took 0.83-0.92x the op's time (batch 1-64, 33-2048 slots; one
+// build switched at run time, 9-11 alternating rounds, outputs bit-identical), and the SK decoder's
+// bf16 step 0.96x at batch 64 (every round faster), level at batch 16. Eight rows ahead gained
+// less (0.88-0.90x), 16 or 32 less still (0.89-0.99x); K alone 0.94-0.97x. Asking for the next work
+// item's rows as well, up front or spread over the V pass, gained nothing more at the op (1.00-1.04x
+// this one's time; BENCHMARKS.md, "seventy-fifth pass"). AMD keeps none (unmeasured with this
+// look-ahead; the ones above cost there).
 
 // Rows t = 0..nb-1 of `src` (row stride `stride`) as fp32 rows: returns where they are and their
 // stride. fp32 rows are read in place where they fill whole vectors and no slot of the block is
@@ -390,6 +426,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
     const bool split = kBf16 && D % (2 * kL) == 0;  // K read in place by dots_bf16
     const bool native = kBf16 && D % 32 == 0 && D <= kNativeMaxD && native_bf16_scores();
     [[maybe_unused]] const bool pairs = native && G >= 4 && D <= 128;  // v_pair_bf16
+    [[maybe_unused]] const bool ahead = native && kv_ahead();  // k_scores_bf16's look-ahead
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item % S, h = (item / S) % Hkv, b = item / (S * Hkv);
       const bool* m = mp + b * ms0 + s * ms2;
@@ -409,13 +446,15 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       }
       scores.resize(G * n);
       const scalar_t* kr = kp + b * ks0 + h * ks1;
+      const scalar_t* vr = vp + b * vs0 + h * vs1;
       for (int64_t t0 = 0; t0 < n; t0 += kBlock) {  // scores of a block of slots, all G rows
         const int64_t nb = std::min(kBlock, n - t0);
         if constexpr (kBf16) {
 #ifdef CANN_ATTN_BF16
           if (native) {  // a masked slot's row may hold anything here: its score is set to -inf below
             k_scores_bf16(reinterpret_cast<const uint16_t*>(qp + ((b * Hq + h * G) * S + s) * D), S * D, G,
-                          reinterpret_cast<const uint16_t*>(kr + t0 * ks2), ks2, nb, D, fscale, scores.data() + t0, n);
+                          reinterpret_cast<const uint16_t*>(kr + t0 * ks2), ks2, nb, D, fscale, scores.data() + t0, n,
+                          ahead ? reinterpret_cast<const uint16_t*>(vr + t0 * vs2) : nullptr, vs2, n - t0);
           } else
 #endif
           if (split) {  // a masked slot's row may hold anything here: its score is set to -inf below
@@ -437,7 +476,6 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       }
       for (int64_t g = 0; g < G; ++g) inv[g] = 1.0f / exp_row(scores.data() + g * n, n);
       std::fill(acc.begin(), acc.end(), 0.0f);
-      const scalar_t* vr = vp + b * vs0 + h * vs1;
       for (int64_t t0 = 0; t0 < n; t0 += kBlock) {  // acc += p V over a block of slots, in registers
         const int64_t nb = std::min(kBlock, n - t0);
         if constexpr (kBf16) {
