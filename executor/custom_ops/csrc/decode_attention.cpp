@@ -97,16 +97,39 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // Zen 4 an fp32 call from memory took 0.89-0.95x the time with q held (8192 slots), and the AVX2
 // build on the same CPU 0.78-0.85x with q read from L1 (2048 slots; the AVX2 kind itself, Zen 3,
 // unmeasured); results bit-identical (BENCHMARKS.md, "sixty-sixth pass").
+//
+// With `ahead` (fp32 rows read in place, on an Intel CPU: kv_ahead), each group of kDots rows also
+// asks for the K and V rows from two slots on, as many as the group (1 KB past it in each at
+// head_dim 128), into L1.
 constexpr int kDots = 8;
 constexpr int64_t kQHeld = kL == 16 ? 8 : 0;  // vectors of q that dots keeps in registers
 
+// The cache lines of `bytes` from `p` on, asked for into L1.
+inline void ask_l1(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(p) + b, 0, 3);
+}
+
+// The V rows that a look-ahead over K rows asks for as well: rows `vstride` apart, none at or past
+// `rows_left` (counted from the first K row passed).
+template <typename T>
+struct VAhead {
+  const T* v;
+  int64_t vstride, rows_left;
+};
+
 template <bool kHeld>
-inline int64_t dots_rows(const float* q, const float* rows, int64_t stride, int64_t nb, int64_t n, float* out) {
+inline int64_t dots_rows(const float* q, const float* rows, int64_t stride, int64_t nb, int64_t n, float* out,
+                         const VAhead<float>* ahead) {
   Vec qv[kHeld ? kQHeld : 1];
   if constexpr (kHeld)
     for (int64_t d = 0; d < n; d += kL) qv[d / kL] = Vec::loadu(q + d);
   int64_t t = 0;
   for (; t + kDots <= nb; t += kDots) {
+    if (ahead != nullptr)
+      for (int64_t r = t + 2; r < std::min<int64_t>(t + 2 + kDots, ahead->rows_left); ++r) {
+        ask_l1(rows + r * stride, n * 4);
+        ask_l1(ahead->v + r * ahead->vstride, n * 4);
+      }
     Vec acc[kDots];
 #pragma GCC unroll 8
     for (int i = 0; i < kDots; ++i) {
@@ -123,9 +146,10 @@ inline int64_t dots_rows(const float* q, const float* rows, int64_t stride, int6
   return t;
 }
 
-inline void dots(const float* q, const float* rows, int64_t stride, int64_t nb, int64_t n, float* out) {
-  int64_t t = n <= kQHeld * kL ? dots_rows<true>(q, rows, stride, nb, n, out)
-                               : dots_rows<false>(q, rows, stride, nb, n, out);
+inline void dots(const float* q, const float* rows, int64_t stride, int64_t nb, int64_t n, float* out,
+                 const VAhead<float>* ahead = nullptr) {
+  int64_t t = n <= kQHeld * kL ? dots_rows<true>(q, rows, stride, nb, n, out, ahead)
+                               : dots_rows<false>(q, rows, stride, nb, n, out, ahead);
   for (; t < nb; ++t) out[t] = dot(q, rows + t * stride, n);
 }
 
@@ -235,21 +259,16 @@ constexpr int64_t kBlock = 32;  // cache slots widened to fp32 at a time (32 x 1
 // to a kv head) at batch 1-4; level at batch 16 and 33 slots. Eight or sixteen rows at a time in
 // the column order took 1.10-1.34x the time (BENCHMARKS.md, "sixty-sixth pass").
 //
-// On an Intel CPU (kv_ahead) the first head's pass also asks for the next group's four K rows and
-// the four V rows of the same slots (`v`, rows `vstride` apart; none at or past `rows_left`), into
-// L1: the V rows, read only after every score of the item, then stream alongside the K rows instead
-// of after them. See the note above fp32_rows for what it measured.
+// With `ahead` (on an Intel CPU: kv_ahead) the first head's pass also asks for the next group's four
+// K rows and the four V rows of the same slots, into L1: the V rows, read only after every score of
+// the item, then stream alongside the K rows instead of after them. See the note above fp32_rows for
+// what it measured.
 constexpr int64_t kNativeMaxD = 256;
 
 #ifdef CANN_ATTN_BF16
-// The cache lines of a row of D bf16 values, asked for into L1.
-CANN_ATTN_BF16_TARGET inline void prefetch_row(const uint16_t* row, int64_t D) {
-  for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
-}
-
 CANN_ATTN_BF16_TARGET void k_scores_bf16(const uint16_t* q, int64_t ldq, int64_t G, const uint16_t* k,
                                          int64_t stride, int64_t nb, int64_t D, float scale, float* out,
-                                         int64_t ldo, const uint16_t* v, int64_t vstride, int64_t rows_left) {
+                                         int64_t ldo, const VAhead<uint16_t>* ahead) {
   const int64_t C = D / 32;
   const __m128 vscale = _mm_set1_ps(scale);
   for (int64_t g = 0; g < G; ++g) {
@@ -257,10 +276,10 @@ CANN_ATTN_BF16_TARGET void k_scores_bf16(const uint16_t* q, int64_t ldq, int64_t
     for (int64_t c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + g * ldq + 32 * c);
     for (int64_t t = 0; t < nb; t += 4) {
       const int64_t left = std::min<int64_t>(4, nb - t);
-      if (g == 0 && v != nullptr)
-        for (int64_t r = t + 4; r < std::min(t + 8, rows_left); ++r) {
-          prefetch_row(k + r * stride, D);
-          prefetch_row(v + r * vstride, D);
+      if (g == 0 && ahead != nullptr)
+        for (int64_t r = t + 4; r < std::min(t + 8, ahead->rows_left); ++r) {
+          ask_l1(k + r * stride, D * 2);
+          ask_l1(ahead->v + r * ahead->vstride, D * 2);
         }
       const uint16_t* rows[4];
       for (int64_t i = 0; i < 4; ++i) rows[i] = k + (t + (i < left ? i : 0)) * stride;
@@ -334,7 +353,11 @@ bool native_bf16_scores() {
 #endif
 }
 
-// Whether k_scores_bf16 asks for the rows ahead (an Intel CPU; asked once).
+// Whether the score passes ask for the rows ahead (k_scores_bf16, dots on fp32 rows in place): an
+// Intel CPU (asked once). Only for an item whose V rows come to at most kAheadMaxV bytes (1024 slots
+// of bf16 at head_dim 128): the V rows asked for during the score pass must still be in L2 when
+// the V pass reads them.
+constexpr int64_t kAheadMaxV = 256 * 1024;
 bool kv_ahead() {
 #ifdef CANN_ATTN_BF16
   static const bool intel = __builtin_cpu_is("intel");
@@ -354,16 +377,21 @@ bool kv_ahead() {
 // - the next block of rows inside an item (on in fp32 on AMD since the sixty-fifth pass): with it,
 //   1.02-1.17x the time in fp32 and 1.20-1.39x in bf16 at 512-8192 slots (BENCHMARKS.md,
 //   "sixty-sixth pass").
-// On the Intel AMX kind the bf16 op read its K and V rows at only 0.43-0.68 of a plain sum's rate
+// On the Intel AMX kind the op read its K and V rows at only 0.43-0.68 of a plain sum's rate in bf16
 // (28 layers' caches, batch 1-16, 33-2048 slots), and its loops alone ran about as fast on a cache
-// that fit in L2: the stream and the arithmetic took turns. There k_scores_bf16's look-ahead (the
-// next four K and V rows, into L1) took 0.83-0.92x the op's time (batch 1-64, 33-2048 slots; one
-// build switched at run time, 9-11 alternating rounds, outputs bit-identical), and the SK decoder's
-// bf16 step 0.96x at batch 64 (every round faster), level at batch 16. Eight rows ahead gained
-// less (0.88-0.90x), 16 or 32 less still (0.89-0.99x); K alone 0.94-0.97x. Asking for the next work
-// item's rows as well, up front or spread over the V pass, gained nothing more at the op (1.00-1.04x
-// this one's time; BENCHMARKS.md, "seventy-fifth pass"). AMD keeps none (unmeasured with this
-// look-ahead; the ones above cost there).
+// that fit in L2: the stream and the arithmetic took turns. There the look-ahead (one build switched
+// at run time, 9-11 alternating rounds, outputs bit-identical) took, of the op's time:
+// - bf16 (the next four K and V rows): 0.83-0.87x at 33 slots and batch 4-64, 0.88-0.92x at
+//   256-512 slots, 0.81x / 0.96x at 1024 slots and batch 1 / 16; and the SK decoder's bf16 step
+//   0.96x at batch 64 (every round faster), level at batch 16. Eight rows ahead gained less
+//   (0.88-0.90x), 16 or 32 less still (0.89-0.99x); K alone 0.94-0.97x; also asking for the next
+//   work item's rows, up front or spread over the V pass, nothing more (1.00-1.04x this one's time);
+// - fp32 (from two slots on): 0.84-0.89x at 33-512 slots and batch 4-64 (one and three slots on
+//   read the same, four and eight 1.01-1.05x slower than two);
+// - with an item's V rows past 256 KB it cost: bf16 1.00-1.06x at 2048 slots (0.92x at batch 1),
+//   1.15-1.16x at 4096-8192; fp32 1.01-1.04x at 2048, 1.23x at 8192. So kAheadMaxV.
+// BENCHMARKS.md, "seventy-fifth pass". AMD keeps none (unmeasured with this look-ahead; the ones
+// above cost there).
 
 // Rows t = 0..nb-1 of `src` (row stride `stride`) as fp32 rows: returns where they are and their
 // stride. fp32 rows are read in place where they fill whole vectors and no slot of the block is
@@ -426,7 +454,9 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
     const bool split = kBf16 && D % (2 * kL) == 0;  // K read in place by dots_bf16
     const bool native = kBf16 && D % 32 == 0 && D <= kNativeMaxD && native_bf16_scores();
     [[maybe_unused]] const bool pairs = native && G >= 4 && D <= 128;  // v_pair_bf16
-    [[maybe_unused]] const bool ahead = native && kv_ahead();  // k_scores_bf16's look-ahead
+    // the look-ahead of k_scores_bf16 or of dots on fp32 rows read in place (kv_ahead), for items
+    // whose V rows come to at most kAheadMaxV bytes
+    const bool ahead = (native || std::is_same_v<scalar_t, float>) && kv_ahead();
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item % S, h = (item / S) % Hkv, b = item / (S * Hkv);
       const bool* m = mp + b * ms0 + s * ms2;
@@ -447,14 +477,17 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       scores.resize(G * n);
       const scalar_t* kr = kp + b * ks0 + h * ks1;
       const scalar_t* vr = vp + b * vs0 + h * vs1;
+      const bool look = ahead && n * D * static_cast<int64_t>(sizeof(scalar_t)) <= kAheadMaxV;
       for (int64_t t0 = 0; t0 < n; t0 += kBlock) {  // scores of a block of slots, all G rows
         const int64_t nb = std::min(kBlock, n - t0);
+        const VAhead<scalar_t> v_ahead{vr + t0 * vs2, vs2, n - t0};
         if constexpr (kBf16) {
 #ifdef CANN_ATTN_BF16
           if (native) {  // a masked slot's row may hold anything here: its score is set to -inf below
+            const VAhead<uint16_t> bits{reinterpret_cast<const uint16_t*>(v_ahead.v), vs2, n - t0};
             k_scores_bf16(reinterpret_cast<const uint16_t*>(qp + ((b * Hq + h * G) * S + s) * D), S * D, G,
                           reinterpret_cast<const uint16_t*>(kr + t0 * ks2), ks2, nb, D, fscale, scores.data() + t0, n,
-                          ahead ? reinterpret_cast<const uint16_t*>(vr + t0 * vs2) : nullptr, vs2, n - t0);
+                          look ? &bits : nullptr);
           } else
 #endif
           if (split) {  // a masked slot's row may hold anything here: its score is set to -inf below
@@ -465,7 +498,11 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         }
         if (!split) {
           const auto [kb, kstride] = fp32_rows(kr + t0 * ks2, ks2, m + t0 * ms3, ms3, nb, D, Dv, rows.data());
-          for (int64_t g = 0; g < G; ++g) dots(qf.data() + g * Dv, kb, kstride, nb, Dv, scores.data() + g * n + t0);
+          const VAhead<float>* ahead_f32 = nullptr;  // fp32 rows read in place: the first head's pass looks ahead
+          if constexpr (std::is_same_v<scalar_t, float>)
+            if (look && kb == kr + t0 * ks2) ahead_f32 = &v_ahead;
+          for (int64_t g = 0; g < G; ++g)
+            dots(qf.data() + g * Dv, kb, kstride, nb, Dv, scores.data() + g * n + t0, g == 0 ? ahead_f32 : nullptr);
         }
         bool any_masked = false;  // rare before a row's last valid slot: one look a slot, then G only if so
                                   // (0.92-0.99x a bf16 call's time at 2048-8192 slots, "sixty-sixth pass")
