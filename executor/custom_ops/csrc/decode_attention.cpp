@@ -367,10 +367,10 @@ bool kv_ahead() {
 #endif
 }
 
-// No software prefetch on AMD, and in fp32 or without AVX512-BF16: the loops read their rows in
-// address order and the hardware prefetcher follows. Two look-aheads that had paid against loops
-// reading the rows a column at a time cost time once the rows were read in order (Zen 4, 28 layers'
-// caches, one build switched at run time):
+// No software prefetch on AMD, nor for rows widened first (fp16, bf16 without AVX512-BF16): the
+// loops read their rows in address order and the hardware prefetcher follows. Two look-aheads that
+// had paid against loops reading the rows a column at a time cost time once the rows were read in
+// order (Zen 4, 28 layers' caches, one build switched at run time):
 // - the next work item's first 16 KB of K and V rows, asked for before an item starts (forty-sixth
 //   pass: 0.70x at batch 16 and 33 slots in bf16): without it 0.66x the time in bf16 at batch 16 and
 //   64 and 33 slots, 0.91-0.94x in fp32, 0.96-1.03x at 512-2048 slots;
