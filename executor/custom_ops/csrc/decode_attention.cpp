@@ -268,7 +268,7 @@ constexpr int64_t kNativeMaxD = 256;
 #ifdef CANN_ATTN_BF16
 CANN_ATTN_BF16_TARGET void k_scores_bf16(const uint16_t* q, int64_t ldq, int64_t G, const uint16_t* k,
                                          int64_t stride, int64_t nb, int64_t D, float scale, float* out,
-                                         int64_t ldo, const VAhead<uint16_t>* ahead) {
+                                         int64_t ldo, const VAhead<at::BFloat16>* ahead) {
   const int64_t C = D / 32;
   const __m128 vscale = _mm_set1_ps(scale);
   for (int64_t g = 0; g < G; ++g) {
@@ -484,10 +484,9 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         if constexpr (kBf16) {
 #ifdef CANN_ATTN_BF16
           if (native) {  // a masked slot's row may hold anything here: its score is set to -inf below
-            const VAhead<uint16_t> bits{reinterpret_cast<const uint16_t*>(v_ahead.v), vs2, n - t0};
             k_scores_bf16(reinterpret_cast<const uint16_t*>(qp + ((b * Hq + h * G) * S + s) * D), S * D, G,
                           reinterpret_cast<const uint16_t*>(kr + t0 * ks2), ks2, nb, D, fscale, scores.data() + t0, n,
-                          look ? &bits : nullptr);
+                          look ? &v_ahead : nullptr);
           } else
 #endif
           if (split) {  // a masked slot's row may hold anything here: its score is set to -inf below
