@@ -17,6 +17,7 @@ from benchmarks import (
     decode_bench,
     gemm_bench,
     load_bench,
+    overlap_bench,
     pointwise_bench,
     prefill_bench,
     step_profile,
@@ -48,6 +49,8 @@ BAD = [
     (prefill_bench, ["--json", "benchmarks/cli.py/x.json"], "argument --json: cannot write"),
     (verdict_bench, ["--gains", "1,x"], "argument --gains: expected a comma list of numbers, got '1,x'"),
     (verdict_bench, ["--slow", "2"], "--slow between 0 and 1"),
+    (overlap_bench, ["--rows", "16,x"], "argument --rows: expected a comma list of positive integers, got '16,x'"),
+    (overlap_bench, ["--rounds", "1"], "--rounds (2 or more), --threads, --mbytes (1 or more): got 1, "),
 ]
 
 
@@ -159,6 +162,32 @@ def test_attention_bench_stream_reads_every_layers_cache_in_both_dtypes(capsys):
         assert mb == pytest.approx(kv_mb[dtype], abs=0.05) and ms > 0 and share > 0
         # MB / ms = GB/s, printed to 0.1: on a busy host (~1 GB/s) that rounding alone is ~5%
         assert gbs == pytest.approx(mb / ms, rel=0.02, abs=0.051)
+
+
+def test_overlap_bench_runs_its_probe_and_derives_the_bounds(tmp_path, capsys):
+    """A small real run (an 8 MiB weight, 2 rounds): the probe is built for this CPU, checks its own
+    sums against a plain loop (exit 3 if wrong: the bench then fails), and each table row's bounds
+    follow from its two rates: serial = 1 / (1 / stream + FLOPs a byte / compute)."""
+    path = tmp_path / "o.json"
+    argv = ["--rows", "3,8", "--mbytes", "8", "--rounds", "2", "--threads", "2", "--json", str(path)]
+    assert overlap_bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert len([line for line in out.splitlines() if line.startswith(("| 3 |", "| 8 |"))]) == 2, out
+    assert "A 6-row tile on a block in L2: " in out
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["rows"] for r in rows] == [3, 8]
+    for r in rows:
+        assert min(r[k] for k in overlap_bench.KEYS) > 0
+        per_byte = 2 * r["rows"] / 4
+        assert r["serial"] == pytest.approx(1 / (1 / r["stream"] + per_byte / r["compute"]))
+        assert r["overlapped"] == pytest.approx(min(r["stream"], r["compute"] / per_byte))
+
+
+def test_overlap_bench_without_a_compiler_is_one_line(monkeypatch, capsys):
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert guarded(lambda: overlap_bench.main(["--rows", "2", "--mbytes", "8", "--rounds", "2"])) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: overlap_bench: /nonexistent/c++ could not build"), err
 
 
 def test_write_json_makes_its_directories_and_replaces_the_record_whole(tmp_path):
