@@ -1,28 +1,31 @@
-"""Can this CPU stream a weight from memory while it computes? The fp32 decode GEMM's two parts,
-apart and together, from a C++ probe (benchmarks/csrc/overlap_probe.cpp, built here for this CPU).
+"""Can this CPU stream a weight from memory while it computes? A decode GEMM loop's two parts, apart
+and together, from a C++ probe (benchmarks/csrc/overlap_probe.cpp, built here for this CPU).
 
 Why: target 2's roofline for a batched decode step is max(bytes / read rate, FLOPs / matmul rate).
 A loop reaches the max only if the weight's stream and its arithmetic overlap; if they take turns,
 its floor is their sum. At fp32 16 rows on the Intel AMX kind the two are close (a read of ~80 ms,
 arithmetic of ~57 ms a step), so the max is ~80 ms and the sum ~140: the step's 1.8x there is a
-question of overlap, not of either rate. This answers it for the CPU it runs on, with the loop of
-rows_linear's fp32 kernel (tiles of up to 6 rows, four vectors of columns; the block read from
-memory by its first tile and from L2 by the others) on a cold packed weight. Each round measures,
-in turn, on --threads threads:
+question of overlap, not of either rate. This answers it for the CPU it runs on, with the loops of
+this project's packed-weight kernels on a cold weight (on 2 MiB pages, as the runner places them):
+- fp32: rows_linear's fp32 loop (tiles of up to 6 rows, four vectors of columns a block);
+- amx (a CPU with AMX-BF16): amx_linear's bf16 loop (tiles of up to 16 rows, four 16-column products).
+In both, each block of weight is read from memory by its first tile of rows and from L2 by the
+others. Each round measures, in turn, on --threads threads:
 - stream: a plain sum over the weight (GB/s);
 - compute: every tile of rows on one block a thread, over and over, from L2 (GFLOP/s);
-- pass: the loop over the whole weight without software prefetch, and pass+pf with every tile
-  asking for its share of the next block's lines into L2 (the kernel's scheme; one tile asks none).
+- pass: the loop over the whole weight without software prefetch, and pass+pf with the kernel's
+  (fp32: every tile asks for its share of the next block's lines into L2, a lone tile for its own
+  block 32 steps ahead; amx: the first tile asks for the weight 4 KB ahead into L1).
 The table gives the medians (the first round dropped as a warm-up), the rates two bounds predict
 for the pass: `serial` (stream time plus compute time) and `overlapped` (the larger of the two),
 and `overlap`: how much of the way from serial to overlapped the faster pass got (0: none, 1: all).
 A loop below serial loses time beyond the two parts (a stream slower inside the loop than alone).
-A last line says what asking costs a core: a 6-row tile on a block in L2, alone and asking for one
-line of a cold stream each k step (into L2), its GFLOP/s both ways and the rate of the lines asked
-for (asked, not seen to arrive).
+For fp32 a last line says what asking costs a core: a 6-row tile on a block in L2, alone and asking
+for one line of a cold stream each k step (into L2), its GFLOP/s both ways and the rate of the lines
+asked for (asked, not seen to arrive).
 
   python benchmarks/overlap_bench.py
-  python benchmarks/overlap_bench.py --rows 16,64 --rounds 9 --mbytes 1024
+  python benchmarks/overlap_bench.py --loops amx --rows 16,32,64 --rounds 9 --mbytes 1024
 """
 
 from __future__ import annotations
@@ -39,16 +42,30 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cli import guarded, int_list, json_path, write_json  # noqa: E402
+from benchmarks.cli import guarded, int_list, json_path, name_list, write_json  # noqa: E402
 from executor.errors import RecipeError  # noqa: E402
 
 PROBE = ROOT / "benchmarks" / "csrc" / "overlap_probe.cpp"
-KEYS = ("stream", "compute", "pass", "pass_pf", "alone6", "asking_compute", "asking_stream")
+LOOPS = {"fp32": 4, "amx": 2}  # the loops the probe has, and the bytes of one weight value in each
+KEYS = ("stream", "compute", "pass", "pass_pf")  # every loop's; fp32 adds ASKING
+ASKING = ("alone6", "asking_compute", "asking_stream")
+
+
+def cpu_has_amx() -> bool:
+    """AMX-BF16 among this CPU's flags (Linux's /proc/cpuinfo; elsewhere no)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return any(line.startswith("flags") and " amx_bf16" in line for line in f)
+    except OSError:
+        return False
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--loops", type=name_list, help="comma list of fp32, amx (default: fp32, and amx where the CPU has it)"
     )
     p.add_argument("--rows", type=int_list, default="4,16,64", help="comma list of row counts M (the decode batch)")
     p.add_argument("--mbytes", type=int, default=768, help="size of the packed weight in MiB (far past the caches)")
@@ -61,6 +78,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(
             f"--rounds (2 or more), --threads, --mbytes (1 or more): got {args.rounds}, {args.threads}, {args.mbytes}"
         )
+    if args.loops is None:
+        args.loops = ["fp32", "amx"] if cpu_has_amx() else ["fp32"]
+    unknown = [x for x in args.loops if x not in LOOPS]
+    if unknown or not args.loops:
+        p.error(f"--loops: unknown {unknown}; known: {', '.join(LOOPS)}")
     return args
 
 
@@ -81,24 +103,25 @@ def build(where: Path) -> Path:
     return exe
 
 
-def probe(exe: Path, rows: int, mbytes: int, rounds: int, threads: int) -> dict[str, float]:
+def probe(exe: Path, loop: str, rows: int, mbytes: int, rounds: int, threads: int) -> dict[str, float]:
     """The medians of the probe's rounds after the first, by key."""
-    done = subprocess.run([str(exe), str(rows), str(mbytes), str(rounds), str(threads)], capture_output=True, text=True)
+    argv = [str(exe), loop, str(rows), str(mbytes), str(rounds), str(threads)]
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         why = done.stderr.strip() or f"exit status {done.returncode}"
-        raise RecipeError(f"overlap_bench: the probe failed at {rows} rows: {why}")
-    seen: dict[str, list[float]] = {k: [] for k in KEYS}
+        raise RecipeError(f"overlap_bench: the probe failed ({loop}, {rows} rows): {why}")
+    seen: dict[str, list[float]] = {}
     for line in done.stdout.splitlines():
         words = line.split()
         if words[:1] == ["round"] and words[1] != "0":
             for key, value in zip(words[2::2], words[3::2], strict=True):
-                seen[key].append(float(value))
+                seen.setdefault(key, []).append(float(value))
     return {k: statistics.median(v) for k, v in seen.items()}
 
 
-def bounds(rows: int, got: dict[str, float]) -> dict[str, float]:
-    """What the two parts predict for the pass, in GB/s of weight: fp32, so 2 * rows / 4 FLOPs a byte."""
-    per_byte = 2 * rows / 4
+def bounds(rows: int, value_bytes: int, got: dict[str, float]) -> dict[str, float]:
+    """What the two parts predict for the pass, in GB/s of weight (2 * rows FLOPs a weight value)."""
+    per_byte = 2 * rows / value_bytes
     t_read, t_math = 1 / got["stream"], per_byte / got["compute"]  # seconds a GB
     serial, overlapped = 1 / (t_read + t_math), 1 / max(t_read, t_math)
     best = max(got["pass"], got["pass_pf"])
@@ -111,32 +134,35 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="overlap_probe_") as tmp:
         exe = build(Path(tmp))
         print(
-            f"# overlap_bench: fp32, a {args.mbytes} MiB packed weight, {args.threads} threads, "
+            f"# overlap_bench: a {args.mbytes} MiB packed weight on 2 MiB pages, {args.threads} threads, "
             f"{args.rounds - 1} rounds after a warm-up (medians)"
         )
         print(
-            "| rows | stream GB/s | compute GFLOP/s | pass GB/s | pass+pf GB/s | serial GB/s | overlapped GB/s "
-            "| overlap |"
+            "| loop | rows | stream GB/s | compute GFLOP/s | pass GB/s | pass+pf GB/s | serial GB/s "
+            "| overlapped GB/s | overlap |"
         )
-        print("|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|")
         record = []
-        for rows in args.rows:
-            got = probe(exe, rows, args.mbytes, args.rounds, args.threads)
-            b = bounds(rows, got)
+        for loop in args.loops:
+            for rows in args.rows:
+                got = probe(exe, loop, rows, args.mbytes, args.rounds, args.threads)
+                b = bounds(rows, LOOPS[loop], got)
+                print(
+                    f"| {loop} | {rows} | {got['stream']:.1f} | {got['compute']:.0f} | {got['pass']:.1f} "
+                    f"| {got['pass_pf']:.1f} | {b['serial']:.1f} | {b['overlapped']:.1f} | {b['overlap']:.2f} |",
+                    flush=True,
+                )
+                record.append({"loop": loop, "rows": rows, **got, **b})
+                head = {"threads": args.threads, "mbytes": args.mbytes, "rounds": args.rounds}
+                write_json(args.json, {**head, "rows": record})
+        fp32 = [r for r in record if r["loop"] == "fp32"]
+        if fp32:
+            ask = {k: statistics.median(r[k] for r in fp32) for k in ASKING}
             print(
-                f"| {rows} | {got['stream']:.1f} | {got['compute']:.0f} | {got['pass']:.1f} | {got['pass_pf']:.1f} "
-                f"| {b['serial']:.1f} | {b['overlapped']:.1f} | {b['overlap']:.2f} |",
-                flush=True,
+                f"fp32: a 6-row tile on a block in L2 ran {ask['alone6']:.0f} GFLOP/s alone, "
+                f"{ask['asking_compute']:.0f} while asking for one line of a cold stream a k step; the lines asked "
+                f"for came to {ask['asking_stream']:.1f} GB/s (medians over the row counts' runs)"
             )
-            record.append({"rows": rows, **got, **b})
-            head = {"threads": args.threads, "mbytes": args.mbytes, "rounds": args.rounds}
-            write_json(args.json, {**head, "rows": record})
-        ask = {k: statistics.median(r[k] for r in record) for k in ("alone6", "asking_compute", "asking_stream")}
-        print(
-            f"A 6-row tile on a block in L2: {ask['alone6']:.0f} GFLOP/s alone, {ask['asking_compute']:.0f} while "
-            f"asking for one line of a cold stream a k step, the lines asked for at {ask['asking_stream']:.1f} GB/s "
-            f"(medians over the row counts' runs)"
-        )
     return 0
 
 

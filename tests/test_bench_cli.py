@@ -51,6 +51,7 @@ BAD = [
     (verdict_bench, ["--slow", "2"], "--slow between 0 and 1"),
     (overlap_bench, ["--rows", "16,x"], "argument --rows: expected a comma list of positive integers, got '16,x'"),
     (overlap_bench, ["--rounds", "1"], "--rounds (2 or more), --threads, --mbytes (1 or more): got 1, "),
+    (overlap_bench, ["--loops", "fp32,bf16"], "--loops: unknown ['bf16']; known: fp32, amx"),
 ]
 
 
@@ -165,20 +166,24 @@ def test_attention_bench_stream_reads_every_layers_cache_in_both_dtypes(capsys):
 
 
 def test_overlap_bench_runs_its_probe_and_derives_the_bounds(tmp_path, capsys):
-    """A small real run (an 8 MiB weight, 2 rounds): the probe is built for this CPU, checks its own
-    sums against a plain loop (exit 3 if wrong: the bench then fails), and each table row's bounds
-    follow from its two rates: serial = 1 / (1 / stream + FLOPs a byte / compute)."""
+    """A small real run (an 8 MiB weight, 2 rounds; the AMX loop too where the CPU has it): the probe
+    is built for this CPU, checks each loop's sums against a plain loop (exit 3 if wrong: the bench
+    then fails), and each row's bounds follow from its two rates: serial = 1 / (1 / stream + FLOPs a
+    byte / compute)."""
     path = tmp_path / "o.json"
-    argv = ["--rows", "3,8", "--mbytes", "8", "--rounds", "2", "--threads", "2", "--json", str(path)]
+    loops = ["fp32", "amx"] if overlap_bench.cpu_has_amx() else ["fp32"]
+    argv = ["--rows", "3,17", "--mbytes", "8", "--rounds", "2", "--threads", "2", "--json", str(path)]
     assert overlap_bench.main(argv) == 0
     out = capsys.readouterr().out
-    assert len([line for line in out.splitlines() if line.startswith(("| 3 |", "| 8 |"))]) == 2, out
-    assert "A 6-row tile on a block in L2: " in out
+    assert [line.split("|")[1:3] for line in out.splitlines() if line.startswith(tuple(f"| {x} |" for x in loops))] == [
+        [f" {loop} ", f" {rows} "] for loop in loops for rows in (3, 17)
+    ], out
+    assert "fp32: a 6-row tile on a block in L2 ran " in out
     rows = json.loads(path.read_text())["rows"]
-    assert [r["rows"] for r in rows] == [3, 8]
+    assert [(r["loop"], r["rows"]) for r in rows] == [(loop, n) for loop in loops for n in (3, 17)]
     for r in rows:
         assert min(r[k] for k in overlap_bench.KEYS) > 0
-        per_byte = 2 * r["rows"] / 4
+        per_byte = 2 * r["rows"] / overlap_bench.LOOPS[r["loop"]]
         assert r["serial"] == pytest.approx(1 / (1 / r["stream"] + per_byte / r["compute"]))
         assert r["overlapped"] == pytest.approx(min(r["stream"], r["compute"] / per_byte))
 

@@ -1,9 +1,9 @@
 // Whether a core can stream a weight from memory while it computes on data in its L2
 // (benchmarks/overlap_bench.py builds and runs this; see its docstring for why).
 //
-// usage: overlap_probe ROWS MBYTES ROUNDS THREADS
+// usage: overlap_probe fp32|amx ROWS MBYTES ROUNDS THREADS
 //
-// The loop is rows_linear's fp32 shape: a weight packed in blocks of CB columns (K = 1024 rows of
+// fp32: the loop is rows_linear's fp32 shape: a weight packed in blocks of CB columns (K = 1024 rows of
 // CB floats each), every block times every tile of at most 6 rows (4 vectors of accumulators a row),
 // the block read from memory by its first tile and from L2 by the others. Compiled for this CPU
 // (-march=native): CB is 64 with AVX-512, 32 with AVX2. Each round times, in turn, on THREADS
@@ -19,15 +19,34 @@
 //             into L2: its GFLOP/s, and the GB/s of lines it asked for;
 // and prints one line per round: "round R stream GBPS compute GFLOPS pass GBPS pass_pf GBPS
 // alone6 GFLOPS asking_compute GFLOPS asking_stream GBPS".
-// The passes' outputs are checked against a plain loop on the first and last block (exit 3).
+// amx (a CPU with AMX-BF16, Linux): the loop is amx_linear's on its packed bf16 weight (blocks of 64
+// columns, K = 1024 as 512 k pairs; tiles of up to 16 rows, four 16-column products per 32 k), and
+// the rounds print stream, compute, pass and pass_pf, where pass_pf is the kernel's scheme: the
+// first tile of rows asks for the weight 4 KB ahead into L1 (later tiles read the block from L2).
+// The weight sits on 2 MiB pages where Linux gives them (as the runner puts packed weights: 4 KiB
+// pages read ~0.8x as fast here). The passes' outputs are checked against a plain loop on the first
+// and last block (exit 3).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <thread>
 #include <vector>
+
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PROBE_AMX 1
+#endif
 
 namespace {
 
@@ -94,6 +113,33 @@ void block_tiles(const float* x, long M, const float* w, float* y, long ldy, con
   }
 }
 
+constexpr long kHuge = 2L << 20;
+
+// A zeroed buffer of n values on 64-byte lines (the weight on 2 MiB huge pages), as the kernels' are:
+// std::vector's 16-byte alignment split every 64-byte load and tile row across two lines, and ran the
+// AMX loop at ~0.6x its speed.
+template <typename T>
+struct Buffer {
+  T* p;
+  explicit Buffer(long n, long align = 64) {
+    const long bytes = (n * static_cast<long>(sizeof(T)) + align - 1) / align * align;
+    p = static_cast<T*>(std::aligned_alloc(align, bytes));
+    if (!p) {
+      std::fprintf(stderr, "overlap_probe: out of memory (%ld bytes)\n", bytes);
+      std::exit(2);
+    }
+#ifdef __linux__
+    if (align == kHuge) madvise(p, bytes, MADV_HUGEPAGE);  // as executor/huge_pages.py asks for packed weights
+#endif
+    std::memset(p, 0, bytes);
+  }
+  ~Buffer() { std::free(p); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  T* data() { return p; }
+  T& operator[](long i) { return p[i]; }
+};
+
 template <typename F>
 double on_threads(int threads, F f) {
   std::vector<std::thread> pool;
@@ -103,22 +149,12 @@ double on_threads(int threads, F f) {
   return now() - t0;
 }
 
-}  // namespace
 
-int main(int argc, char** argv) {
-  if (argc != 5) {
-    std::fprintf(stderr, "usage: overlap_probe ROWS MBYTES ROUNDS THREADS\n");
-    return 2;
-  }
-  const long M = std::atol(argv[1]), NB = std::max(2L, (std::atol(argv[2]) << 20) / (kBlock * 4));
-  const int rounds = std::atoi(argv[3]), threads = std::atoi(argv[4]);
-  if (M < 1 || rounds < 1 || threads < 1 || NB < 2L * threads) {
-    std::fprintf(stderr, "overlap_probe: expected ROWS >= 1, ROUNDS >= 1, THREADS >= 1 and 2 blocks a thread\n");
-    return 2;
-  }
-  const long N = NB * kCB;
-  std::vector<float> w(NB * kBlock), x(M * kK), y(M * N), hot_y(threads * M * kCB);
-  std::vector<float> x6(6 * kK, 0.25f), y6(threads * 6 * kCB);  // the 6-row tile's own rows (M may be fewer)
+int run_fp32(long M, long mbytes, int rounds, int threads) {
+  const long NB = std::max(2L * threads, (mbytes << 20) / (kBlock * 4)), N = NB * kCB;
+  Buffer<float> w(NB * kBlock, kHuge), x(M * kK), y(M * N), hot_y(threads * M * kCB);
+  Buffer<float> x6(6 * kK), y6(threads * 6 * kCB);  // the 6-row tile's own rows (M may be fewer)
+  for (long i = 0; i < 6 * kK; ++i) x6[i] = 0.25f;
   for (long i = 0; i < NB * kBlock; ++i) w[i] = static_cast<float>((i * 7919) % 1000) * 1e-3f - 0.5f;
   for (long i = 0; i < M * kK; ++i) x[i] = static_cast<float>((i * 104729) % 1000) * 1e-3f - 0.5f;
   const double bytes = NB * kBlock * 4.0;
@@ -193,4 +229,174 @@ int main(int argc, char** argv) {
   for (double s : sums) total += s;
   std::printf("checksum %.3f\n", total);
   return 0;
+}
+
+#ifdef PROBE_AMX
+// --- amx: amx_linear's loop (executor/backends/csrc/amx_linear.cpp), on a bf16 weight packed as
+// (NB, K/2, 64, 2): per 32 k, one A tile of x (up to 16 rows) and the block's four B tiles ---
+constexpr long kAmxCols = 64, kAmxBlock = kK * kAmxCols;  // bf16 values a block
+
+struct TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// tmm0-3: the sums (rows x 16 fp32); tmm4: rows of x (32 bf16 each); tmm5-7: B tiles (16 k pairs x 16 x 2)
+void amx_configure(int rows) {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(t < 5 ? rows : 16);
+    cfg.colsb[t] = 64;
+  }
+  asm volatile("" : : "r"(&cfg) : "memory");  // keep the stores (as amx_linear.cpp says)
+  _tile_loadconfig(&cfg);
+}
+
+// The configured rows of x (stride kK) times block w into c (rows x 64 fp32); `ahead`: bytes asked for
+// ahead of each 32 k into L1 (0: none)
+void amx_block(const uint16_t* x, const uint16_t* w, float* c, int ahead) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (long k0 = 0; k0 < kK; k0 += 32) {
+    const uint16_t* wk = w + k0 * kAmxCols;
+    if (ahead)
+      for (int line = 0; line < 64; ++line) _mm_prefetch(reinterpret_cast<const char*>(wk) + ahead + line * 64, _MM_HINT_T0);
+    _tile_loadd(4, x + k0, kK * 2);
+    _tile_loadd(5, wk, 256);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, wk + 32, 256);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(7, wk + 64, 256);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, wk + 96, 256);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, c, 256);
+  _tile_stored(1, c + 16, 256);
+  _tile_stored(2, c + 32, 256);
+  _tile_stored(3, c + 48, 256);
+}
+
+// Every tile of M rows (balanced, at most 16) on block w into y's block (row stride ldy); with
+// `ahead`, the first tile asks for the weight 4 KB ahead (the caller says whether more weight follows).
+void amx_tiles(const uint16_t* x, long M, const uint16_t* w, float* y, long ldy, bool ahead, int& configured) {
+  alignas(64) float c[16 * kAmxCols];
+  const long n = (M + 15) / 16;
+  for (long t = 0, m0 = 0, mb = 0; t < n; ++t, m0 += mb) {
+    mb = M / n + (t < M % n);
+    if (mb != configured) {
+      amx_configure(static_cast<int>(mb));
+      configured = static_cast<int>(mb);
+    }
+    amx_block(x + m0 * kK, w, c, ahead && t == 0 ? 4096 : 0);
+    for (long m = 0; m < mb; ++m) std::memcpy(y + (m0 + m) * ldy, c + m * kAmxCols, kAmxCols * 4);
+  }
+}
+
+float bf16_value(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+int run_amx(long M, long mbytes, int rounds, int threads) {
+  if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) {  // ARCH_REQ_XCOMP_PERM for the tile data
+    std::fprintf(stderr, "overlap_probe: the kernel did not grant this process AMX's tile data\n");
+    return 2;
+  }
+  const long NB = std::max(2L * threads, (mbytes << 20) / (kAmxBlock * 2)), N = NB * kAmxCols;
+  Buffer<uint16_t> w(NB * kAmxBlock, kHuge), x(M * kK);
+  Buffer<float> y(M * N), hot_y(threads * M * kAmxCols);
+  for (long i = 0; i < NB * kAmxBlock; ++i) w[i] = static_cast<uint16_t>(0x3c00 + (i * 7919) % 256);  // ~0.008-0.016
+  for (long i = 0; i < M * kK; ++i) x[i] = static_cast<uint16_t>(((i * 104729) % 2 ? 0xbf00 : 0x3f00) + i % 128);
+  const double bytes = NB * kAmxBlock * 2.0;
+  auto share = [&](int t, long& b0, long& b1) {
+    b0 = NB * t / threads;
+    b1 = NB * (t + 1) / threads;
+  };
+  auto pass = [&](bool ahead) {
+    return on_threads(threads, [&](int t) {
+      long b0, b1;
+      share(t, b0, b1);
+      int configured = 0;
+      for (long nb = b0; nb < b1; ++nb)
+        amx_tiles(x.data(), M, w.data() + nb * kAmxBlock, y.data() + nb * kAmxCols, N, ahead && nb + 1 < NB, configured);
+      _tile_release();
+    });
+  };
+  const long hot_reps = std::max(1L, 150000L / M);  // ~20 ms a thread
+  for (int r = 0; r < rounds; ++r) {
+    const double ts = on_threads(threads, [&](int t) {
+      long b0, b1;
+      share(t, b0, b1);
+      vf acc = {};
+      const float* f = reinterpret_cast<const float*>(w.data());
+      for (long i = b0 * kAmxBlock / 2; i < b1 * kAmxBlock / 2; i += kW) acc += load(f + i);
+      volatile float sink = acc[0];
+      (void)sink;
+    });
+    const double tc = on_threads(threads, [&](int t) {
+      long b0, b1;
+      share(t, b0, b1);
+      int configured = 0;
+      for (long rep = 0; rep < hot_reps; ++rep)
+        amx_tiles(x.data(), M, w.data() + b0 * kAmxBlock, hot_y.data() + t * M * kAmxCols, kAmxCols, false, configured);
+      _tile_release();
+    });
+    const double tp = pass(false), tpf = pass(true);
+    std::printf("round %d stream %.2f compute %.1f pass %.2f pass_pf %.2f\n", r, bytes / ts / 1e9,
+                hot_reps * 2.0 * M * kAmxCols * kK * threads / tc / 1e9, bytes / tp / 1e9, bytes / tpf / 1e9);
+    std::fflush(stdout);
+  }
+  for (long nb : {0L, NB - 1})  // the last pass against a plain loop (bf16 products summed in fp32)
+    for (long m = 0; m < M; ++m)
+      for (long col = 0; col < kAmxCols; ++col) {
+        double ref = 0, mag = 0;
+        for (long k = 0; k < kK; ++k) {
+          const double p = static_cast<double>(bf16_value(x[m * kK + k])) *
+                           bf16_value(w[nb * kAmxBlock + (k / 2) * kAmxCols * 2 + col * 2 + k % 2]);
+          ref += p;
+          mag += std::fabs(p);
+        }
+        if (std::fabs(y[m * N + nb * kAmxCols + col] - ref) > 1e-4 * mag + 1e-6) {
+          std::fprintf(stderr, "overlap_probe: wrong sum at block %ld row %ld column %ld\n", nb, m, col);
+          return 3;
+        }
+      }
+  return 0;
+}
+#endif
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 6) {
+    std::fprintf(stderr, "usage: overlap_probe fp32|amx ROWS MBYTES ROUNDS THREADS\n");
+    return 2;
+  }
+  const std::string loop = argv[1];
+  const long M = std::atol(argv[2]), mbytes = std::atol(argv[3]);
+  const int rounds = std::atoi(argv[4]), threads = std::atoi(argv[5]);
+  if (M < 1 || mbytes < 1 || rounds < 1 || threads < 1) {
+    std::fprintf(stderr, "overlap_probe: expected ROWS, MBYTES, ROUNDS and THREADS >= 1\n");
+    return 2;
+  }
+  if (loop == "fp32") return run_fp32(M, mbytes, rounds, threads);
+#ifdef PROBE_AMX
+  if (loop == "amx") return run_amx(M, mbytes, rounds, threads);
+#endif
+  std::fprintf(stderr, "overlap_probe: no %s loop in this build (fp32%s)\n", loop.c_str(),
+#ifdef PROBE_AMX
+               ", amx"
+#else
+               ""
+#endif
+  );
+  return 2;
 }
