@@ -183,6 +183,9 @@ inline void block_tiles(const TileFn<T>* tiles, const T* x, int64_t M, int64_t K
 // (in-process A/B, 9 alternating rounds, every round faster; BENCHMARKS.md, "fifty-eighth pass").
 // The likely reason: a down_proj block (768 KB) computing plus one and a half in flight nearly fill
 // that kind's 2 MB L2, so prefetched lines evict ones still to be read.
+// Even so, the shares do not overlap the stream with the arithmetic there: in benchmarks/overlap_bench.py's
+// probe of this loop the fp32 pass at 16-64 rows sits on the serial bound (stream time plus compute
+// time), 1.15-1.33x faster than with no prefetch (BENCHMARKS.md, "seventy-sixth pass").
 // On AMD Zen 4 the exact shares ran level with the rounded-up ones, in both dtypes at 16-64 rows
 // (one build, the scheme switched at run time, 15-41 rounds in random order; "sixty-fourth pass").
 // With one tile (2-6 rows) nothing streams the next block, and in fp32 on an Intel CPU the tile asks
