@@ -8,7 +8,8 @@ arithmetic of ~57 ms a step), so the max is ~80 ms and the sum ~140: the step's 
 question of overlap, not of either rate. This answers it for the CPU it runs on, with the loops of
 this project's packed-weight kernels on a cold weight (on 2 MiB pages, as the runner places them):
 - fp32: rows_linear's fp32 loop (tiles of up to 6 rows, four vectors of columns a block);
-- amx (a CPU with AMX-BF16): amx_linear's bf16 loop (tiles of up to 16 rows, four 16-column products).
+- amx (a CPU with AMX-BF16): amx_linear's bf16 loop itself (executor/custom_ops/csrc/amx_tiles.h; tiles of
+  up to 16 rows, four 16-column products).
 In both, each block of weight is read from memory by its first tile of rows and from L2 by the
 others. Each round measures, in turn, on --threads threads:
 - stream: a plain sum over the weight (GB/s);
@@ -46,6 +47,7 @@ from benchmarks.cli import guarded, int_list, json_path, name_list, write_json  
 from executor.errors import RecipeError  # noqa: E402
 
 PROBE = ROOT / "benchmarks" / "csrc" / "overlap_probe.cpp"
+HEADERS = ROOT / "executor" / "custom_ops" / "csrc"  # amx_tiles.h: the AMX kernel's own loop
 LOOPS = {"fp32": 4, "amx": 2}  # the loops the probe has, and the bytes of one weight value in each
 KEYS = ("stream", "compute", "pass", "pass_pf")  # every loop's; fp32 adds ASKING
 ASKING = ("alone6", "asking_compute", "asking_stream")
@@ -92,7 +94,7 @@ def build(where: Path) -> Path:
     if not cxx:
         raise RecipeError("overlap_bench: no C++ compiler found; install one or name it in $CXX")
     exe = where / "overlap_probe"
-    cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-pthread", str(PROBE), "-o", str(exe)]
+    cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-pthread", f"-I{HEADERS}", str(PROBE), "-o", str(exe)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     except OSError as exc:  # $CXX names no program

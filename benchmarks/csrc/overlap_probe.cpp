@@ -2,8 +2,10 @@
 // (benchmarks/overlap_bench.py builds and runs this; see its docstring for why).
 //
 // usage: overlap_probe fp32|amx ROWS MBYTES ROUNDS THREADS
+// built: c++ -O3 -march=native -std=c++17 -pthread -I executor/custom_ops/csrc overlap_probe.cpp
 //
-// fp32: the loop is rows_linear's fp32 shape: a weight packed in blocks of CB columns (K = 1024 rows of
+// fp32: the loop is rows_linear's fp32 shape (written again here in GCC's vector types, so that it
+// also builds for an AVX2 CPU): a weight packed in blocks of CB columns (K = 1024 rows of
 // CB floats each), every block times every tile of at most 6 rows (4 vectors of accumulators a row),
 // the block read from memory by its first tile and from L2 by the others. Compiled for this CPU
 // (-march=native): CB is 64 with AVX-512, 32 with AVX2. Each round times, in turn, on THREADS
@@ -19,8 +21,8 @@
 //             into L2: its GFLOP/s, and the GB/s of lines it asked for;
 // and prints one line per round: "round R stream GBPS compute GFLOPS pass GBPS pass_pf GBPS
 // alone6 GFLOPS asking_compute GFLOPS asking_stream GBPS".
-// amx (a CPU with AMX-BF16, Linux): the loop is amx_linear's on its packed bf16 weight (blocks of 64
-// columns, K = 1024 as 512 k pairs; tiles of up to 16 rows, four 16-column products per 32 k), and
+// amx (a CPU with AMX-BF16, Linux): the loop is amx_linear's own (cann::amx::block, amx_tiles.h) on its
+// packed bf16 weight (blocks of 64 columns, K = 1024 as 512 k pairs; tiles of up to 16 rows), and
 // the rounds print stream, compute, pass and pass_pf, where pass_pf is the kernel's scheme: the
 // first tile of rows asks for the weight 4 KB ahead into L1 (later tiles read the block from L2).
 // The weight sits on 2 MiB pages where Linux gives them (as the runner puts packed weights: 4 KiB
@@ -41,12 +43,7 @@
 #include <sys/mman.h>
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define PROBE_AMX 1
-#endif
+#include "amx_tiles.h"  // the kernel's AMX loop (executor/custom_ops/csrc, on the include path): CANN_AMX
 
 namespace {
 
@@ -231,56 +228,10 @@ int run_fp32(long M, long mbytes, int rounds, int threads) {
   return 0;
 }
 
-#ifdef PROBE_AMX
+#ifdef CANN_AMX
 // --- amx: amx_linear's loop (executor/backends/csrc/amx_linear.cpp), on a bf16 weight packed as
 // (NB, K/2, 64, 2): per 32 k, one A tile of x (up to 16 rows) and the block's four B tiles ---
-constexpr long kAmxCols = 64, kAmxBlock = kK * kAmxCols;  // bf16 values a block
-
-struct TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// tmm0-3: the sums (rows x 16 fp32); tmm4: rows of x (32 bf16 each); tmm5-7: B tiles (16 k pairs x 16 x 2)
-void amx_configure(int rows) {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof cfg);
-  cfg.palette = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = static_cast<uint8_t>(t < 5 ? rows : 16);
-    cfg.colsb[t] = 64;
-  }
-  asm volatile("" : : "r"(&cfg) : "memory");  // keep the stores (as amx_linear.cpp says)
-  _tile_loadconfig(&cfg);
-}
-
-// The configured rows of x (stride kK) times block w into c (rows x 64 fp32); `ahead`: bytes asked for
-// ahead of each 32 k into L1 (0: none)
-void amx_block(const uint16_t* x, const uint16_t* w, float* c, int ahead) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (long k0 = 0; k0 < kK; k0 += 32) {
-    const uint16_t* wk = w + k0 * kAmxCols;
-    if (ahead)
-      for (int line = 0; line < 64; ++line) _mm_prefetch(reinterpret_cast<const char*>(wk) + ahead + line * 64, _MM_HINT_T0);
-    _tile_loadd(4, x + k0, kK * 2);
-    _tile_loadd(5, wk, 256);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(6, wk + 32, 256);
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(7, wk + 64, 256);
-    _tile_dpbf16ps(2, 4, 7);
-    _tile_loadd(5, wk + 96, 256);
-    _tile_dpbf16ps(3, 4, 5);
-  }
-  _tile_stored(0, c, 256);
-  _tile_stored(1, c + 16, 256);
-  _tile_stored(2, c + 32, 256);
-  _tile_stored(3, c + 48, 256);
-}
+constexpr long kAmxCols = cann::amx::kCols, kAmxBlock = kK * kAmxCols;  // bf16 values a block
 
 // Every tile of M rows (balanced, at most 16) on block w into y's block (row stride ldy); with
 // `ahead`, the first tile asks for the weight 4 KB ahead (the caller says whether more weight follows).
@@ -290,10 +241,10 @@ void amx_tiles(const uint16_t* x, long M, const uint16_t* w, float* y, long ldy,
   for (long t = 0, m0 = 0, mb = 0; t < n; ++t, m0 += mb) {
     mb = M / n + (t < M % n);
     if (mb != configured) {
-      amx_configure(static_cast<int>(mb));
+      cann::amx::configure(static_cast<int>(mb));
       configured = static_cast<int>(mb);
     }
-    amx_block(x + m0 * kK, w, c, ahead && t == 0 ? 4096 : 0);
+    cann::amx::block(x + m0 * kK, kK, kK, w, c, ahead && t == 0 ? 4096 : 0);
     for (long m = 0; m < mb; ++m) std::memcpy(y + (m0 + m) * ldy, c + m * kAmxCols, kAmxCols * 4);
   }
 }
@@ -306,7 +257,11 @@ float bf16_value(uint16_t v) {
 }
 
 int run_amx(long M, long mbytes, int rounds, int threads) {
-  if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) {  // ARCH_REQ_XCOMP_PERM for the tile data
+  if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) {
+    std::fprintf(stderr, "overlap_probe: this CPU has no AMX-BF16\n");
+    return 2;
+  }
+  if (!cann::amx::permitted()) {  // ARCH_REQ_XCOMP_PERM for the tile data
     std::fprintf(stderr, "overlap_probe: the kernel did not grant this process AMX's tile data\n");
     return 2;
   }
@@ -327,7 +282,7 @@ int run_amx(long M, long mbytes, int rounds, int threads) {
       int configured = 0;
       for (long nb = b0; nb < b1; ++nb)
         amx_tiles(x.data(), M, w.data() + nb * kAmxBlock, y.data() + nb * kAmxCols, N, ahead && nb + 1 < NB, configured);
-      _tile_release();
+      cann::amx::release();
     });
   };
   const long hot_reps = std::max(1L, 150000L / M);  // ~20 ms a thread
@@ -347,7 +302,7 @@ int run_amx(long M, long mbytes, int rounds, int threads) {
       int configured = 0;
       for (long rep = 0; rep < hot_reps; ++rep)
         amx_tiles(x.data(), M, w.data() + b0 * kAmxBlock, hot_y.data() + t * M * kAmxCols, kAmxCols, false, configured);
-      _tile_release();
+      cann::amx::release();
     });
     const double tp = pass(false), tpf = pass(true);
     std::printf("round %d stream %.2f compute %.1f pass %.2f pass_pf %.2f\n", r, bytes / ts / 1e9,
@@ -388,11 +343,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (loop == "fp32") return run_fp32(M, mbytes, rounds, threads);
-#ifdef PROBE_AMX
+#ifdef CANN_AMX
   if (loop == "amx") return run_amx(M, mbytes, rounds, threads);
 #endif
   std::fprintf(stderr, "overlap_probe: no %s loop in this build (fp32%s)\n", loop.c_str(),
-#ifdef PROBE_AMX
+#ifdef CANN_AMX
                ", amx"
 #else
                ""

@@ -49,6 +49,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "amx_tiles.h"  // CANN_AMX, and the packed-weight loop (cann::amx::block)
 #include "linear_io.h"
 
 #include <algorithm>
@@ -56,91 +57,15 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__linux__) && \
-    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define CANN_AMX 1
-#endif
-
 namespace {
 
-constexpr int64_t kCols = 64;     // output columns per packed block: four B tiles of 16
-constexpr int64_t kChunk = 32;    // k values per tile product (16 pairs)
-constexpr int64_t kTileRows = 16; // rows of x per A tile
-constexpr int kAhead = 4096;      // bytes of weight asked for ahead of the first tile of rows: one chunk
+using cann::amx::kChunk;
+using cann::amx::kCols;
+using cann::amx::kTileRows;
+constexpr int kAhead = 4096;  // bytes of weight asked for ahead of the first tile of rows: one chunk
 
 #ifdef CANN_AMX
-#define CANN_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
-
-// The layout ldtilecfg reads: palette 1, then per tile register its bytes per row and its rows.
-struct TileConfig {
-  uint8_t palette;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// Linux hands out AMX's tile state only to a process that asked for it (ARCH_REQ_XCOMP_PERM, 0x1023,
-// for XFEATURE_XTILEDATA, 18); without it the first tile instruction faults.
-bool amx_permitted() {
-  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return granted;
-}
-
-// tmm0-3: the sums, `rows` x 16 fp32 each (the block's four 16-column groups); tmm4: `rows` rows of
-// x, 32 bf16 each; tmm5-7: B tiles, 16 k pairs x 16 columns x 2.
-CANN_AMX_TARGET void configure(int rows) {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof cfg);
-  cfg.palette = 1;
-  for (int t = 0; t < 5; ++t) {
-    cfg.rows[t] = static_cast<uint8_t>(rows);
-    cfg.colsb[t] = 64;
-  }
-  for (int t = 5; t < 8; ++t) {
-    cfg.rows[t] = kTileRows;
-    cfg.colsb[t] = 64;
-  }
-  // GCC's _tile_loadconfig is an asm statement that does not say it reads memory: without this
-  // barrier GCC 12 dropped the stores above as dead, and ldtilecfg faulted on a zeroed config.
-  asm volatile("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
-}
-
-CANN_AMX_TARGET void release() { _tile_release(); }
-
-// The configured rows of x (row stride ldx elements, K a multiple of 32) times one packed block w
-// (K/2 pairs x 64 columns x 2), into c (rows x 64 fp32, row stride 64). `ahead` (bytes, 0: none):
-// each chunk asks for the weight that far ahead into L1.
-CANN_AMX_TARGET void amx_block(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* w, float* c, int ahead) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-    const uint16_t* wk = w + k0 * kCols;  // pair k0 / 2, 128 values per pair
-    if (ahead) {
-      const char* pf = reinterpret_cast<const char*>(wk) + ahead;
-      for (int line = 0; line < 64; ++line) _mm_prefetch(pf + line * 64, _MM_HINT_T0);
-    }
-    _tile_loadd(4, x + k0, ldx * 2);
-    _tile_loadd(5, wk, 256);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(6, wk + 32, 256);
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(7, wk + 64, 256);
-    _tile_dpbf16ps(2, 4, 7);
-    _tile_loadd(5, wk + 96, 256);
-    _tile_dpbf16ps(3, 4, 5);
-  }
-  _tile_stored(0, c, 256);
-  _tile_stored(1, c + 16, 256);
-  _tile_stored(2, c + 32, 256);
-  _tile_stored(3, c + 48, 256);
-}
+using cann::amx::release;
 
 // `rows` rows of a block's fp32 sums (plus the block's fp32 bias) rounded to bf16 into y (row stride
 // ldy): vcvtneps2bf16 rounds to nearest even as aten does.
@@ -176,14 +101,14 @@ void run_blocks(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int6
   const int64_t N = NB * kCols, block = K * kCols, n_tiles = (M + kTileRows - 1) / kTileRows;
   at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float c[kTileRows * kCols];
-    ThreadTiles tiles{configure};
+    ThreadTiles tiles{cann::amx::configure};
     for (int64_t nb = begin; nb < end; ++nb) {
       for (int64_t m0 = 0, t = 0, mb = 0; m0 < M; m0 += mb, ++t) {
         mb = M / n_tiles + (t < M % n_tiles);
         tiles.fit(mb);
         // the weight's last block asks for nothing ahead: its last chunk's 4 KB would run past the weight
         const bool ahead = t == 0 && (nb + 1 < NB);
-        amx_block(x + m0 * K, K, K, w + nb * block, c, ahead ? kAhead : 0);
+        cann::amx::block(x + m0 * K, K, K, w + nb * block, c, ahead ? kAhead : 0);
         store_rows(c, static_cast<int>(mb), bias ? bias + nb * kCols : nullptr, y + m0 * N + nb * kCols, N);
       }
     }
@@ -193,7 +118,7 @@ void run_blocks(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int6
 // The stored layout's tiles: tmm0-3 the sums, 16 weight rows x `rows` fp32 each; tmm4: x^T, 16 k
 // pairs x `rows` x 2; tmm5-7: 16 weight rows x 32 k values.
 CANN_AMX_TARGET void configure_stored(int rows) {
-  TileConfig cfg;
+  cann::amx::TileConfig cfg;
   std::memset(&cfg, 0, sizeof cfg);
   cfg.palette = 1;
   for (int t = 0; t < 5; ++t) {
@@ -289,7 +214,7 @@ void run_stored(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int6
 // This build has the AMX loop, the CPU has AMX-BF16 and the kernel lets this process use the tiles.
 bool amx_supported() {
 #ifdef CANN_AMX
-  return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && amx_permitted();
+  return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && cann::amx::permitted();
 #else
   return false;
 #endif

@@ -1,0 +1,99 @@
+// AMX's packed-weight loop, shared by the kernel (executor/backends/csrc/amx_linear.cpp, which says
+// why it is shaped so) and the probe that measures it alone (benchmarks/csrc/overlap_probe.cpp): one
+// block of 64 output columns, packed (K/2, 64, 2), times up to 16 rows of x. No ATen here, so the
+// probe builds without PyTorch and times exactly the kernel's instructions.
+//
+// CANN_AMX is defined where this compiler can emit AMX (GCC 11+, clang 12+, x86-64 Linux), and the code
+// only there; it is compiled for AMX per function (target attribute), so including this needs no flags.
+#pragma once
+
+#include <cstdint>
+
+namespace cann::amx {
+constexpr int64_t kCols = 64;      // output columns per packed block: four B tiles of 16
+constexpr int64_t kChunk = 32;     // k values per tile product (16 pairs)
+constexpr int64_t kTileRows = 16;  // rows of x per A tile
+}  // namespace cann::amx
+
+#if defined(__x86_64__) && defined(__linux__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstring>
+#define CANN_AMX 1
+#define CANN_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+namespace cann::amx {
+
+// The layout ldtilecfg reads: palette 1, then per tile register its bytes per row and its rows.
+struct TileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Linux hands out AMX's tile state only to a process that asked for it (ARCH_REQ_XCOMP_PERM, 0x1023,
+// for XFEATURE_XTILEDATA, 18); without it the first tile instruction faults.
+inline bool permitted() {
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return granted;
+}
+
+// tmm0-3: the sums, `rows` x 16 fp32 each (the block's four 16-column groups); tmm4: `rows` rows of
+// x, 32 bf16 each; tmm5-7: B tiles, 16 k pairs x 16 columns x 2.
+CANN_AMX_TARGET inline void configure(int rows) {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  for (int t = 0; t < 5; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(rows);
+    cfg.colsb[t] = 64;
+  }
+  for (int t = 5; t < 8; ++t) {
+    cfg.rows[t] = kTileRows;
+    cfg.colsb[t] = 64;
+  }
+  // GCC's _tile_loadconfig is an asm statement that does not say it reads memory: without this
+  // barrier GCC 12 dropped the stores above as dead, and ldtilecfg faulted on a zeroed config.
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+CANN_AMX_TARGET inline void release() { _tile_release(); }
+
+// The configured rows of x (row stride ldx elements, K a multiple of 32) times one packed block w
+// (K/2 pairs x 64 columns x 2), into c (rows x 64 fp32, row stride 64). `ahead` (bytes, 0: none):
+// each chunk asks for the weight that far ahead into L1.
+CANN_AMX_TARGET inline void block(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* w, float* c, int ahead) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+    const uint16_t* wk = w + k0 * kCols;  // pair k0 / 2, 128 values per pair
+    if (ahead) {
+      const char* pf = reinterpret_cast<const char*>(wk) + ahead;
+      for (int line = 0; line < 64; ++line) _mm_prefetch(pf + line * 64, _MM_HINT_T0);
+    }
+    _tile_loadd(4, x + k0, ldx * 2);
+    _tile_loadd(5, wk, 256);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, wk + 32, 256);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(7, wk + 64, 256);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, wk + 96, 256);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, c, 256);
+  _tile_stored(1, c + 16, 256);
+  _tile_stored(2, c + 32, 256);
+  _tile_stored(3, c + 48, 256);
+}
+
+}  // namespace cann::amx
+#endif
