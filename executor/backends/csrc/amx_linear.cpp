@@ -23,9 +23,10 @@
 // with everything in L1 (2.6-3.3 TFLOP/s; a 16-row tileloadd from L1 ~2.5 ns), in ~41 ns with the
 // B tiles in L2 and ~153 ns from memory (one core's share of the read bandwidth). So at 64 rows a
 // block's first tile of rows waits on memory while the later ones compute from L2 with memory idle.
-// benchmarks/overlap_bench.py runs this loop in a probe: on the Intel AMX kind its passes at 1-64 rows sit below
-// the serial bound (stream time plus compute time), the first tile streaming at ~0.77 of a plain sum's
-// rate, and nothing overlaps the two (BENCHMARKS.md, "seventy-sixth pass").
+// benchmarks/overlap_bench.py times this loop alone (cann::amx::block, amx_tiles.h): on the Intel
+// AMX kind its passes at 1-64 rows sit below the serial bound (stream time plus compute time), the
+// first tile streaming at ~0.77 of a plain sum's rate, and nothing overlaps the two (BENCHMARKS.md,
+// "seventy-sixth pass").
 // Asking for the next block during the later tiles read slower (0.61 / 0.44 of a sum's rate at 32 /
 // 64 rows; 0.85 against 0.95 TFLOP/s at 64 rows in a microbenchmark), as did one 16-column group at
 // a time under every tile of rows (0.48 / 0.38) and K in slices kept in L1 (BENCHMARKS.md,
