@@ -231,8 +231,8 @@ int run_fp32(long M, long mbytes, int rounds, int threads) {
 }
 
 #ifdef CANN_AMX
-// --- amx: amx_linear's loop (executor/backends/csrc/amx_linear.cpp), on a bf16 weight packed as
-// (NB, K/2, 64, 2): per 32 k, one A tile of x (up to 16 rows) and the block's four B tiles ---
+// --- amx: amx_linear's loop (cann::amx::block, amx_tiles.h) and its row tiles (amx_linear.cpp's
+// run_blocks), on a bf16 weight packed as (NB, K/2, 64, 2) ---
 constexpr long kAmxCols = cann::amx::kCols, kAmxBlock = kK * kAmxCols;  // bf16 values a block
 
 // Every tile of M rows (balanced, at most 16) on block w into y's block (row stride ldy); with
