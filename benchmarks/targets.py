@@ -8,7 +8,9 @@ AMX, Ice Lake, a GPU) runs this and gets that kind's column, with the commands t
 
 The targets and what is judged (limits from issue 13):
   1  decode at batch 1, ge_graph and SK decoder: bf16 within 1.2x its roofline, fp32 within 1.1x
-  2  decode at --batches, every mode (eager included: it runs on the weights as stored): within 1.3x
+  2  decode at --batches, every mode (eager included: it runs on the weights as stored): within 1.3x;
+     on CPU also reported: the packed-weight GEMM loops alone against their serial and overlapped bounds
+     (overlap_bench.py), which say whether a cell's roofline is within reach of a loop on this CPU
   3  decode attention at 16k against 2k KV-cache slots, same position, with the custom op: within 1.1x per round
   4  prefill at 128 / 512 / 2048 tokens: within 1.5x its roofline and faster than transformers eager
   5  MoE eager at the 30B-A3B shape (one layer): at least as fast as transformers eager
@@ -154,6 +156,9 @@ def plan(args) -> list[Run]:
             argv += ["--no-hf", "--rounds", rounds]
             minutes = 1 + 2.8 * len(asked)  # each batch compiles both graph modes: 3.5 min for 1, 12.4 for 4
             runs.append(Run(f"decode-{dtype}", (1, 2), "decode_bench.py", argv, "decode", minutes))
+    if 2 in args.targets and args.device == "cpu":  # the batched GEMM loops' floor on this CPU (reported)
+        argv = ["--rows", ",".join(map(str, args.batches)), "--rounds", "3" if q else "7"]
+        runs.append(Run("overlap", (2,), "overlap_bench.py", argv, "overlap", 0.5))
     if 3 in args.targets and args.device == "cpu":
         lengths, position = ("256,2048", "255") if q else ("2048,16384", "2047")
         for mode in ("ge_graph", "decoder"):
@@ -285,6 +290,22 @@ def load_cells(record: dict, targets: tuple[int, ...] = ()) -> list[Cell]:
     return cells
 
 
+def overlap_cells(record: dict, targets: tuple[int, ...] = ()) -> list[Cell]:
+    """Target 2's floor on this CPU (reported, no limit): each packed-weight GEMM loop's pass at a batch
+    against the serial bound (stream time plus compute time) and the overlapped one (the larger). Where
+    a loop sits on serial, a cell whose two parts are close cannot reach its roofline's max with it (the
+    fp32 batch-16 and -64 and bf16 batch-64 cells on the Intel AMX kind; BENCHMARKS.md, "seventy-sixth
+    pass")."""
+    cells = []
+    for r in record["rows"]:
+        best = max(r["pass"], r["pass_pf"])
+        shown = f"pass {best:.1f} GB/s; serial {r['serial']:.1f}, overlapped {r['overlapped']:.1f}"
+        shown += f" (overlap {r['overlap']:.2f})"
+        cell = f"{r['loop']} GEMM loop alone, {r['rows']} row{'s' * (r['rows'] != 1)}: stream and arithmetic"
+        cells.append(Cell(2, cell, shown, "reported", None, note="overlap_bench, a weight on 2 MiB pages"))
+    return cells
+
+
 def peer_cells(record: dict, targets: tuple[int, ...] = ()) -> list[Cell]:
     """Target 7: each of our modes against both transformers peers (reported, no limit)."""
     cells = []
@@ -303,7 +324,7 @@ def peer_cells(record: dict, targets: tuple[int, ...] = ()) -> list[Cell]:
 # (targets 1 and 2 share the decode runs; the others read one target each)
 JUDGES = {
     "decode": decode_cells, "attention": attention_cells, "prefill": prefill_cells, "moe": moe_cells,
-    "load": load_cells, "peers": peer_cells,
+    "load": load_cells, "peers": peer_cells, "overlap": overlap_cells,
 }  # fmt: skip
 
 

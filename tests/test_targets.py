@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks import attention_bench, decode_bench, targets
+from benchmarks import attention_bench, decode_bench, overlap_bench, targets
 from benchmarks.cli import guarded
 from tests.fresh_python import REPO
 
@@ -102,6 +102,17 @@ def test_attention_prefill_moe_and_load_cells():
     assert [c.met for c in targets.load_cells(load)] == [True, False, False]  # 3.9x, 4.2x, SK slower
 
 
+def test_overlap_cells_report_each_loops_pass_against_its_two_bounds():
+    """overlap_bench's rows become reported target-2 cells (no limit, not counted as met or not): the
+    faster of the two passes beside the serial and overlapped bounds."""
+    row = {"loop": "fp32", "rows": 16, "pass": 14.3, "pass_pf": 19.0, "serial": 18.8, "overlapped": 33.1}
+    (cell,) = targets.overlap_cells({"rows": [{**row, "overlap": 0.03}]})
+    assert (cell.target, cell.cell, cell.limit, cell.met, cell.verdict) == (
+        2, "fp32 GEMM loop alone, 16 rows: stream and arithmetic", "reported", None, "reported"
+    )  # fmt: skip
+    assert cell.reading == "pass 19.0 GB/s; serial 18.8, overlapped 33.1 (overlap 0.03)"
+
+
 def test_a_failed_run_is_a_failed_cell_and_the_card_counts_only_judged_cells(tmp_path):
     log = tmp_path / "moe.log"
     log.write_text("  building\nerror: --size: 'x' is not a named size\n")
@@ -174,25 +185,32 @@ def test_attention_bench_json_has_each_step_of_the_table(tmp_path):
 
 @pytest.mark.slow
 def test_a_quick_run_writes_the_card_from_the_benchmarks_records(tmp_path):
-    """targets.py as a user runs it: decode_bench and prefill_bench at the debugmodel size, --quick;
-    both write their --json records, and the card judges targets 1, 2 and 4 from them."""
+    """targets.py as a user runs it: decode_bench, overlap_bench and prefill_bench at the debugmodel
+    size, --quick; each writes its --json record, and the card judges targets 1, 2 and 4 from them
+    (overlap_bench's cells reported beside target 2's, for each loop this CPU has, at each batch)."""
     argv = ["--quick", "--targets", "1,2,4", "--dtypes", "float32", "--batches", "1,2", "--size", "debugmodel"]
     proc = subprocess.run(
         [sys.executable, "benchmarks/targets.py", *argv, "--out", str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert "[1/2] decode-float32" in proc.stdout and "[2/2] prefill-float32" in proc.stdout
+    said = ("[1/3] decode-float32", "[2/3] overlap", "[3/3] prefill-float32")
+    assert all(x in proc.stdout for x in said), proc.stdout[-3000:]
     card = json.loads((tmp_path / "targets.json").read_text())
-    cells = {(c["target"], c["cell"]) for c in card["cells"]}
-    assert cells == {
+    judged = {(c["target"], c["cell"]) for c in card["cells"] if c["met"] is not None}
+    assert judged == {
         (1, "fp32 batch 1, ge_graph"), (1, "fp32 batch 1, ge_graph + SK decoder"),
         *{(2, f"fp32 batch {b}, {m}") for b in (1, 2) for m in ("eager", "ge_graph", "ge_graph + SK decoder")},
         (4, "fp32 prefill, 128 tokens"),
     }  # fmt: skip
-    assert all(isinstance(c["met"], bool) for c in card["cells"])
-    assert all("same tokens" in c["reading"] for c in card["cells"] if c["target"] in (1, 2))  # fp32: exact
-    assert [r["rc"] for r in card["runs"]] == [0, 0] and card["machine"].endswith(" threads)")  # cpu_kind
+    loops = ["fp32", "amx"] if overlap_bench.cpu_has_amx() else ["fp32"]
+    reported = [(c["target"], c["cell"]) for c in card["cells"] if c["met"] is None]
+    rows = ("1 row", "2 rows")
+    assert reported == [(2, f"{x} GEMM loop alone, {b}: stream and arithmetic") for x in loops for b in rows]
+    assert all(isinstance(c["met"], bool) for c in card["cells"] if (c["target"], c["cell"]) in judged)
+    # the judged decode cells' tokens: fp32, so exactly ours eager's
+    assert all("same tokens" in c["reading"] for c in card["cells"] if c["target"] in (1, 2) and c["met"] is not None)
+    assert [r["rc"] for r in card["runs"]] == [0, 0, 0] and card["machine"].endswith(" threads)")  # cpu_kind
     assert set(card["rates"]) == {"decode-float32", "prefill-float32"}  # each roofline's two rates
     decode = json.loads((tmp_path / "decode-float32.json").read_text())
     assert [b["batch"] for b in decode["batches"]] == [1, 2]
@@ -303,8 +321,12 @@ def test_a_failed_run_keeps_the_tables_its_record_has(tmp_path):
 def test_the_plan_reads_batch_one_for_target_one_and_measures_a_value_once(tmp_path):
     args = targets.parse_args(["--targets", "1,2,2", "--batches", "4,16,4", "--dtypes", "float32,float32"])
     assert args.targets == [1, 2] and args.batches == [4, 16] and args.dtypes == ["float32"]
-    (run,) = targets.plan(args)
+    run, overlap = targets.plan(args)
     assert run.argv[run.argv.index("--batch") + 1] == "1,4,16"  # target 1 reads batch 1 whatever --batches says
+    assert overlap.script == "overlap_bench.py" and overlap.argv[overlap.argv.index("--rows") + 1] == "4,16"
+    assert [r.script for r in targets.plan(targets.parse_args(["--targets", "1", "--dtypes", "float32"]))] == [
+        "decode_bench.py"
+    ]  # target 1 alone: no floor measured
 
 
 def test_an_out_that_is_a_file_or_holds_a_card_is_refused(tmp_path, capsys):
