@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cli import guarded, int_list, json_path, name_list, write_json  # noqa: E402
+from executor.custom_ops._build import cpu_has_amx  # noqa: E402
 from executor.errors import RecipeError  # noqa: E402
 
 PROBE = ROOT / "benchmarks" / "csrc" / "overlap_probe.cpp"
@@ -51,15 +52,6 @@ HEADERS = ROOT / "executor" / "custom_ops" / "csrc"  # amx_tiles.h: the AMX kern
 LOOPS = {"fp32": 4, "amx": 2}  # the loops the probe has, and the bytes of one weight value in each
 KEYS = ("stream", "compute", "pass", "pass_pf")  # every loop's; fp32 adds ASKING
 ASKING = ("alone6", "asking_compute", "asking_stream")
-
-
-def cpu_has_amx() -> bool:
-    """AMX-BF16 among this CPU's flags (Linux's /proc/cpuinfo; elsewhere no)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return any(line.startswith("flags") and " amx_bf16" in line for line in f)
-    except OSError:
-        return False
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -24,6 +24,7 @@ from benchmarks import (
     verdict_bench,
 )
 from benchmarks.cli import guarded, int_list, name_list, write_json
+from executor.custom_ops._build import cpu_has_amx
 from tests.fresh_python import REPO
 
 BAD = [
@@ -171,7 +172,7 @@ def test_overlap_bench_runs_its_probe_and_derives_the_bounds(tmp_path, capsys):
     then fails), and each row's bounds follow from its two rates: serial = 1 / (1 / stream + FLOPs a
     byte / compute)."""
     path = tmp_path / "o.json"
-    loops = ["fp32", "amx"] if overlap_bench.cpu_has_amx() else ["fp32"]
+    loops = ["fp32", "amx"] if cpu_has_amx() else ["fp32"]
     argv = ["--rows", "3,17", "--mbytes", "8", "--rounds", "2", "--threads", "2", "--json", str(path)]
     assert overlap_bench.main(argv) == 0
     out = capsys.readouterr().out

@@ -17,8 +17,9 @@ from dataclasses import replace
 
 import pytest
 
-from benchmarks import attention_bench, decode_bench, overlap_bench, targets
+from benchmarks import attention_bench, decode_bench, targets
 from benchmarks.cli import guarded
+from executor.custom_ops._build import cpu_has_amx
 from tests.fresh_python import REPO
 
 
@@ -203,7 +204,7 @@ def test_a_quick_run_writes_the_card_from_the_benchmarks_records(tmp_path):
         *{(2, f"fp32 batch {b}, {m}") for b in (1, 2) for m in ("eager", "ge_graph", "ge_graph + SK decoder")},
         (4, "fp32 prefill, 128 tokens"),
     }  # fmt: skip
-    loops = ["fp32", "amx"] if overlap_bench.cpu_has_amx() else ["fp32"]
+    loops = ["fp32", "amx"] if cpu_has_amx() else ["fp32"]
     reported = [(c["target"], c["cell"]) for c in card["cells"] if c["met"] is None]
     rows = ("1 row", "2 rows")
     assert reported == [(2, f"{x} GEMM loop alone, {b}: stream and arithmetic") for x in loops for b in rows]

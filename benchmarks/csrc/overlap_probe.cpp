@@ -148,6 +148,12 @@ double on_threads(int threads, F f) {
   return now() - t0;
 }
 
+// f(t, b0, b1) on each of `threads` threads, thread t on its share [b0, b1) of `blocks` blocks; seconds.
+template <typename F>
+double on_shares(int threads, long blocks, F f) {
+  return on_threads(threads, [&](int t) { f(t, blocks * t / threads, blocks * (t + 1) / threads); });
+}
+
 // --- fp32: the rounds of the header's list, on a weight of `mbytes` MiB in kBlock-float blocks ---
 int run_fp32(long M, long mbytes, int rounds, int threads) {
   const long NB = std::max(2L * threads, (mbytes << 20) / (kBlock * 4)), N = NB * kCB;
@@ -157,14 +163,8 @@ int run_fp32(long M, long mbytes, int rounds, int threads) {
   for (long i = 0; i < NB * kBlock; ++i) w[i] = static_cast<float>((i * 7919) % 1000) * 1e-3f - 0.5f;
   for (long i = 0; i < M * kK; ++i) x[i] = static_cast<float>((i * 104729) % 1000) * 1e-3f - 0.5f;
   const double bytes = NB * kBlock * 4.0;
-  auto share = [&](int t, long& b0, long& b1) {
-    b0 = NB * t / threads;
-    b1 = NB * (t + 1) / threads;
-  };
   auto pass = [&](bool prefetch) {
-    return on_threads(threads, [&](int t) {
-      long b0, b1;
-      share(t, b0, b1);
+    return on_shares(threads, NB, [&](int, long b0, long b1) {
       for (long nb = b0; nb < b1; ++nb)
         block_tiles(x.data(), M, w.data() + nb * kBlock, y.data() + nb * kCB, N,
                     prefetch && nb + 1 < b1 ? w.data() + (nb + 1) * kBlock : nullptr);
@@ -173,27 +173,21 @@ int run_fp32(long M, long mbytes, int rounds, int threads) {
   std::vector<double> sums(threads);
   const long hot_reps = std::max(1L, 20000L / M);  // ~20 ms a thread
   for (int r = 0; r < rounds; ++r) {
-    const double ts = on_threads(threads, [&](int t) {
-      long b0, b1;
-      share(t, b0, b1);
+    const double ts = on_shares(threads, NB, [&](int t, long b0, long b1) {
       vf acc = {};
       for (long i = b0 * kBlock; i < b1 * kBlock; i += kW) acc += load(w.data() + i);
       double s = 0;
       for (int i = 0; i < kW; ++i) s += acc[i];
       sums[t] = s;
     });
-    const double tc = on_threads(threads, [&](int t) {
-      long b0, b1;
-      share(t, b0, b1);
+    const double tc = on_shares(threads, NB, [&](int t, long b0, long) {
       for (long rep = 0; rep < hot_reps; ++rep)
         block_tiles(x.data(), M, w.data() + b0 * kBlock, hot_y.data() + t * M * kCB, kCB, nullptr);
     });
     const double tp = pass(false), tpf = pass(true);
     // a 6-row tile on the hot block, asking for one line a k step of the thread's cold share
     long blocks_asked = 0;
-    const double tq = on_threads(threads, [&](int t) {
-      long b0, b1;
-      share(t, b0, b1);
+    const double tq = on_shares(threads, NB, [&](int t, long b0, long b1) {
       const long lines = (b1 - b0) * kBlock * 4 / 64, reps = lines / kK;
       const char* cold = reinterpret_cast<const char*>(w.data() + b0 * kBlock);
       for (long rep = 0; rep < reps; ++rep)
@@ -201,12 +195,12 @@ int run_fp32(long M, long mbytes, int rounds, int threads) {
       if (t == 0) blocks_asked = reps;
     });
     const double asked = blocks_asked * threads * kK * 64.0;
-    const double t6 = on_threads(threads, [&](int t) {  // the same tile asking nothing
+    const double t6 = on_shares(threads, NB, [&](int t, long b0, long) {  // the same tile asking nothing
       for (long rep = 0; rep < blocks_asked; ++rep)
-        kTiles[6](x6.data(), w.data() + NB * t / threads * kBlock, y6.data() + t * 6 * kCB, kCB, nullptr, 0, false);
+        kTiles[6](x6.data(), w.data() + b0 * kBlock, y6.data() + t * 6 * kCB, kCB, nullptr, 0, false);
     });
-    std::printf("round %d stream %.2f compute %.1f pass %.2f pass_pf %.2f alone6 %.1f asking_compute %.1f asking_stream %.2f\n", r,
-                bytes / ts / 1e9, hot_reps * 2.0 * M * kCB * kK * threads / tc / 1e9, bytes / tp / 1e9,
+    std::printf("round %d stream %.2f compute %.1f pass %.2f pass_pf %.2f alone6 %.1f asking_compute %.1f "
+                "asking_stream %.2f\n", r, bytes / ts / 1e9, hot_reps * 2.0 * M * kCB * kK * threads / tc / 1e9, bytes / tp / 1e9,
                 bytes / tpf / 1e9, blocks_asked * threads * 12.0 * kCB * kK / t6 / 1e9,
                 blocks_asked * threads * 12.0 * kCB * kK / tq / 1e9, asked / tq / 1e9);
     std::fflush(stdout);
@@ -273,14 +267,8 @@ int run_amx(long M, long mbytes, int rounds, int threads) {
   for (long i = 0; i < NB * kAmxBlock; ++i) w[i] = static_cast<uint16_t>(0x3c00 + (i * 7919) % 256);  // ~0.008-0.016
   for (long i = 0; i < M * kK; ++i) x[i] = static_cast<uint16_t>(((i * 104729) % 2 ? 0xbf00 : 0x3f00) + i % 128);
   const double bytes = NB * kAmxBlock * 2.0;
-  auto share = [&](int t, long& b0, long& b1) {
-    b0 = NB * t / threads;
-    b1 = NB * (t + 1) / threads;
-  };
   auto pass = [&](bool ahead) {
-    return on_threads(threads, [&](int t) {
-      long b0, b1;
-      share(t, b0, b1);
+    return on_shares(threads, NB, [&](int, long b0, long b1) {
       int configured = 0;
       for (long nb = b0; nb < b1; ++nb)
         amx_tiles(x.data(), M, w.data() + nb * kAmxBlock, y.data() + nb * kAmxCols, N, ahead && nb + 1 < NB, configured);
@@ -289,18 +277,14 @@ int run_amx(long M, long mbytes, int rounds, int threads) {
   };
   const long hot_reps = std::max(1L, 150000L / M);  // ~20 ms a thread
   for (int r = 0; r < rounds; ++r) {
-    const double ts = on_threads(threads, [&](int t) {
-      long b0, b1;
-      share(t, b0, b1);
+    const double ts = on_shares(threads, NB, [&](int, long b0, long b1) {
       vf acc = {};
       const float* f = reinterpret_cast<const float*>(w.data());
       for (long i = b0 * kAmxBlock / 2; i < b1 * kAmxBlock / 2; i += kW) acc += load(f + i);
       volatile float sink = acc[0];
       (void)sink;
     });
-    const double tc = on_threads(threads, [&](int t) {
-      long b0, b1;
-      share(t, b0, b1);
+    const double tc = on_shares(threads, NB, [&](int t, long b0, long) {
       int configured = 0;
       for (long rep = 0; rep < hot_reps; ++rep)
         amx_tiles(x.data(), M, w.data() + b0 * kAmxBlock, hot_y.data() + t * M * kAmxCols, kAmxCols, false, configured);
