@@ -63,6 +63,19 @@ def test_amx_loop_matches_fp32_linear(rows, bias, layout):
 
 
 @needs_amx
+def test_stored_weight_first_tile_of_rows_and_later_ones_sum_alike():
+    """On the weight as stored the first tile of rows runs the block's 16-row tiles one after
+    another (stored_rows) and the later ones side by side (stored_block): the same rows in both
+    tiles come out bit-equal, so a decode row's result does not depend on the tile it lands in."""
+    torch.manual_seed(0)
+    w = (torch.randn(192, 3072) * 0.05).to(torch.bfloat16)
+    x = torch.randn(16, 3072).to(torch.bfloat16)
+    y = torch.ops.cann_cpu.amx_linear(torch.cat([x, x]), w, None)  # two tiles of 16
+    assert torch.equal(y[:16], y[16:])
+    torch.testing.assert_close(y[:16].float(), reference(x, w, None), rtol=8e-3, atol=1e-2)
+
+
+@needs_amx
 def test_amx_loop_keeps_x_leading_dims_and_takes_a_strided_x():
     torch.manual_seed(0)
     w = (torch.randn(128, 64) * 0.1).to(torch.bfloat16)

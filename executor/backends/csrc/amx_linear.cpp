@@ -33,12 +33,21 @@
 // "seventy-third" and "seventy-fourth pass").
 //
 // The weight as stored, (N, K), is taken as well (the eager decode step, which keeps no packed copy,
-// and a short prompt's products: eager_linear.AMX_STORED_MAX_ROWS):
-// then the weight is the A operand, 16 of its rows (64 bytes of k each, rows K apart) per tile, and
-// x is the B operand, transposed into k pairs once per call, so the tiles compute y^T and the store
-// transposes it back. It read 0.73-0.82 of a sum's rate at 4-16 rows (two passes), aten's linear
-// (oneDNN, the weight reordered on every call) 0.41; asking for the 64 rows' next lines ahead cost
-// more than it gained (0.63-0.65).
+// and a short prompt's products: eager_linear.AMX_STORED_MAX_ROWS): then the weight is the A operand,
+// 16 of its rows (64 bytes of k each, rows K apart) per tile, and x is the B operand, transposed into k
+// pairs once per call, so the tiles compute y^T and the store transposes it back. It read 0.73-0.82 of
+// a sum's rate at 4-16 rows (two passes), aten's linear (oneDNN, the weight reordered on every call)
+// 0.41; asking for the 64 rows' next lines ahead cost more than it gained (0.63-0.65). The first tile
+// of rows takes the block's 64 weight rows 16 at a time, each 16 over all of K (stored_rows), not all
+// 64 side by side: 16 streams through memory at once instead of 64 (at K = 1024-3072 a 64-row block
+// spans 32-96 4 KiB pages; likely more streams than a core's prefetcher follows, though that was not
+// measured directly). The eager bf16 decode step took 0.91-0.92x the time at batch 4 (two runs), 0.94x
+// at batch 8 and 0.95x at 16, logits bit-equal (7 alternating rounds in one process); the projections
+// alone read 0.80 against 0.78 of a sum's rate at 2-8 rows in gemm_bench and 0.84-0.86 against
+// 0.75-0.78 at 2-16 in a C++ probe over one 1.2 GB array. The later tiles of rows read the block from
+// L2, where one x^T load for four products is what counts: run so too, the 48-192-token eager prefill
+// was 1.03-1.07x slower; with them on stored_block it is level (0.96-1.03x at 32-192), so they keep it
+// (BENCHMARKS.md, "seventy-seventh pass").
 //
 // AMX needs, besides the CPU feature, the kernel's permission per process (arch_prctl
 // ARCH_REQ_XCOMP_PERM for the tile data, asked once; oneDNN asks the same) and a tile configuration
@@ -159,6 +168,31 @@ CANN_AMX_TARGET void stored_block(const uint16_t* w, int64_t ldw, int64_t K, con
   _tile_stored(3, c + 768, 64);
 }
 
+// stored_block's sums in another order: its 16-row tiles of the weight one after another, each over
+// all of K (so one x^T load per product). The first tile of rows streams the block from memory so.
+#define CANN_STORED_ROWS(tile)                                        \
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {                       \
+    _tile_loadd(4, xt + (k0 / 2) * rows, rows * 4);                  \
+    _tile_loadd(5, w + (tile) * kTileRows * ldw + k0, stride);       \
+    _tile_dpbf16ps(tile, 5, 4);                                      \
+  }
+CANN_AMX_TARGET void stored_rows(const uint16_t* w, int64_t ldw, int64_t K, const uint32_t* xt, int rows, float* c) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t stride = ldw * 2;
+  CANN_STORED_ROWS(0)  // the tile register is an immediate of the instruction: one loop per tile
+  CANN_STORED_ROWS(1)
+  CANN_STORED_ROWS(2)
+  CANN_STORED_ROWS(3)
+  _tile_stored(0, c, 64);
+  _tile_stored(1, c + 256, 64);
+  _tile_stored(2, c + 512, 64);
+  _tile_stored(3, c + 768, 64);
+}
+#undef CANN_STORED_ROWS
+
 // The block's sums back in y's orientation: row m's 64 values are column m of the four tiles (one
 // gather of 16 per tile), plus the bias, rounded to bf16.
 CANN_AMX_TARGET void store_transposed(const float* c, int rows, const float* bias, uint16_t* y, int64_t ldy) {
@@ -204,7 +238,8 @@ void run_stored(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int6
       for (int64_t m0 = 0, t = 0, mb = 0; m0 < M; m0 += mb, ++t) {
         mb = M / n_tiles + (t < M % n_tiles);
         tiles.fit(mb);
-        stored_block(w + nb * kCols * ldw, ldw, K, xt.data() + m0 * K / 2, static_cast<int>(mb), c);
+        const auto product = t == 0 ? stored_rows : stored_block;  // from memory, then from L2 (the top)
+        product(w + nb * kCols * ldw, ldw, K, xt.data() + m0 * K / 2, static_cast<int>(mb), c);
         store_transposed(c, static_cast<int>(mb), bias ? bias + nb * kCols : nullptr, y + m0 * N + nb * kCols, N);
       }
     }
