@@ -2,14 +2,18 @@
 its AMX loop `cann_cpu::amx_linear`) vs oneDNN on packed weights (vs aten's linear where oneDNN
 cannot run the dtype natively: bf16 on an AVX2 CPU); and the eager path's kernels on the weights as
 stored (`cann_cpu::gemv` for 1-4 rows, `cann_cpu::dot_linear` for 3-64 (in bf16 on a CPU without AMX), its
-AVX-512 or its AVX2 loop) next to aten's linear (bf16) or oneDNN's (fp32) on the same weights; past
+AVX-512 or its AVX2 loop; in bf16 on a CPU with AMX the AMX loop for 2-192) next to aten's linear (bf16) or
+oneDNN's (fp32) on the same weights; past
 dot_linear's rows, where the eager path gives them to the kernel on the weight as stored (packing each
 block as it goes: eager_linear.rows_run_plain), that pass next to aten's linear on the same weights.
 
 Why: a batched decode step is one pass over every projection with M = batch rows. This times that
 pass outside the model, on the projections of a named size as the loader merges them (qkv_proj,
 o_proj, gate_up_proj, down_proj per layer, and the lm_head), with random weights of --dtype, so the
-GEMM's own streaming rate is seen without the rest of the step.
+GEMM's own streaming rate is seen without the rest of the step. The weights are on whole 2 MiB pages
+(executor/huge_pages.py), as the runner places a model's and packed_linear its packed copies: before,
+only the packed copies were, and the kernels on the weights as stored read ~0.1 of a sum's rate less
+for it (BENCHMARKS.md, "seventy-seventh pass").
 
 Each round times one full pass per method and, right before it, one fp32 sum over 512 MiB; the
 ratio pass rate / sum rate is taken per round and the median printed: on the reference VM the
@@ -35,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cli import int_list  # noqa: E402
+from executor import huge_pages  # noqa: E402
 from executor.arch import ModelArch, load_arch  # noqa: E402
 from executor.backends import eager_linear, packed_linear  # noqa: E402
 from executor.errors import RecipeError  # noqa: E402
@@ -116,7 +121,8 @@ def main(argv=None) -> int:
         return 2
     torch.manual_seed(0)
     shapes = projections(arch)
-    weights = [(torch.randn(n, k) * 0.02).to(dtype) for n, k in shapes]
+    # on whole huge pages, as the runner places a model's weights and packed_linear its packed copies
+    weights = [huge_pages.contiguous((torch.randn(n, k) * 0.02).to(dtype)) for n, k in shapes]
     size = weights[0].element_size()
     nbytes = sum(w.numel() * size for w in weights)
     threads = torch.get_num_threads()
@@ -140,6 +146,8 @@ def main(argv=None) -> int:
         if dtype == torch.bfloat16 and rows > 1 and packed_linear.amx_runs():  # the AVX-512 loop's packing
             blocks = methods["kernel"][1] if cols == 64 else [packed_linear.pack_rows(w, 64) for w in weights]
             methods["amx"] = (amx_pass, blocks)
+            if rows <= eager_linear.AMX_STORED_MAX_ROWS:  # eager's bf16 rows: the same op on the weight as stored
+                methods["amx (stored)"] = (amx_pass, weights)
         if rows <= eager_linear.GEMV_MAX_ROWS and eager_linear.gemv_runs(dtype):  # eager's few-row kernel
             methods["gemv"] = (gemv_pass, [])
         if eager_linear.DOT_MIN_ROWS <= rows <= eager_linear.DOT_MAX_ROWS and eager_linear.dot_runs(dtype):
