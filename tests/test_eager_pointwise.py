@@ -126,6 +126,36 @@ def test_calls_the_kernels_do_not_take_run_the_reference(kernels):
     assert fns.calls == 0
 
 
+def test_a_kernel_says_which_calls_it_does_not_take(kernels):
+    """The kernels check dtype, row strides and shapes themselves: a call they do not take returns
+    None (kv_update: False) and writes nothing, so the Python side reads no strides; a value that is
+    wrong for the reference too (a slot outside the cache) is still an error."""
+    k = torch.ops.cann_cpu
+    x = torch.randn(4, 64).bfloat16()
+    w = torch.randn(64).bfloat16()
+    assert k.rms_norm(x, w, 1e-6) is not None
+    assert k.rms_norm(x.half(), w.half(), 1e-6) is None  # a dtype they do not run
+    assert k.rms_norm(x, w.float(), 1e-6) is None  # two dtypes
+    assert k.rms_norm(torch.randn(64, 4).bfloat16().t(), w, 1e-6) is None  # rows not contiguous
+    assert k.rms_norm(x, w[:32], 1e-6) is None  # a weight of another length
+    assert k.rms_norm(x[:0], w, 1e-6) is None  # nothing to norm
+    assert len(k.add_rms_norm(x, x, w, 1e-6)) == 2
+    assert k.add_rms_norm(x, x[:2], w, 1e-6) == []  # a residual of another shape
+    assert k.swiglu(torch.randn(4, 63).bfloat16()) is None  # an odd row: no halves
+    cos = torch.randn(1, 64).bfloat16()
+    assert k.rotary_mul(x, cos, cos) is not None  # broadcast over the rows, as the model's
+    assert k.rotary_mul(x, cos[:, :1], cos) is None  # a broadcast last dim: its rows are not contiguous
+    assert k.rotary_mul(x, torch.randn(3, 64).bfloat16(), cos) is None  # does not broadcast to x
+    cache = torch.zeros(1, 2, 8, 64).bfloat16()
+    new = torch.randn(1, 2, 1, 64).bfloat16()
+    assert k.kv_update(cache, new, torch.tensor([[3]], dtype=torch.int32)) is False  # int32 slots
+    assert k.kv_update(cache, new.float(), torch.tensor([[3]])) is False
+    assert not cache.any()
+    assert k.kv_update(cache, new, torch.tensor([[3]])) is True and torch.equal(cache[:, :, 3:4], new)
+    with pytest.raises(RuntimeError, match="slot 8 outside"):
+        k.kv_update(cache, new, torch.tensor([[8]]))
+
+
 def test_over_reference_replaces_only_reference_entries_and_restores_them():
     ops.register("test_over_reference", {"swiglu": lambda x: 2 * reference.swiglu(x)}, base="reference")
     table = KernelTable().functions()

@@ -123,7 +123,7 @@ def gemv_runs(dtype: torch.dtype) -> bool:
 
 def _large(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """A CPU linear with a weight worth a kernel call, nothing to differentiate (`is_cpu`: reading
-    `device.type` makes a device object per call, eager_pointwise.qualifies)."""
+    `device.type` makes a device object per call, eager_pointwise.may_take)."""
     return (
         x.is_cpu
         and x.dtype == weight.dtype

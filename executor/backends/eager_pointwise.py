@@ -33,11 +33,19 @@ DTYPES = (torch.bfloat16, torch.float32)
 OPS = ("rms_norm", "add_rms_norm", "swiglu", "rotary_mul", "kv_update")
 
 _lib = torch.library.Library("cann_cpu", "FRAGMENT")  # the namespace is defined by packed_linear
-_lib.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor")
-_lib.define("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)")
-_lib.define("swiglu(Tensor x) -> Tensor")
-_lib.define("rotary_mul(Tensor x, Tensor cos, Tensor sin) -> Tensor")
-_lib.define("kv_update(Tensor(a!) cache, Tensor new, Tensor positions) -> Tensor(a!)")
+# Each returns None (kv_update: False), having written nothing, for a call it does not take
+# (csrc/pointwise.cpp says which), and the reference runs it.
+_lib.define("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor?")
+_lib.define("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> Tensor[]")
+_lib.define("swiglu(Tensor x) -> Tensor?")
+_lib.define("rotary_mul(Tensor x, Tensor cos, Tensor sin) -> Tensor?")
+_lib.define("kv_update(Tensor(a!) cache, Tensor new, Tensor positions) -> bool")
+# The overloads, looked up once: an op packet (torch.ops.cann_cpu.swiglu) adds a Python frame per call.
+_RMS_NORM = torch.ops.cann_cpu.rms_norm.default
+_ADD_RMS_NORM = torch.ops.cann_cpu.add_rms_norm.default
+_SWIGLU = torch.ops.cann_cpu.swiglu.default
+_ROTARY_MUL = torch.ops.cann_cpu.rotary_mul.default
+_KV_UPDATE = torch.ops.cann_cpu.kv_update.default
 
 
 @functools.cache
@@ -53,20 +61,23 @@ def kernel_runs() -> bool:
     )
 
 
-def qualifies(*tensors: torch.Tensor) -> bool:
-    """Tensors the kernels take: CPU, one dtype of DTYPES, rows contiguous, nothing to differentiate.
+def may_take(*tensors: torch.Tensor) -> bool:
+    """The kernels may take a call on these tensors: all on the CPU (the only device they are
+    registered for), nothing to differentiate (they have no backward), the kernels built. Each
+    kernel checks the rest itself (dtype, row strides, shapes) and says whether it took the call.
 
-    Written as a plain loop over `is_cpu`: the eager step asks this ~9 times a layer, and as one
-    `all()` over a generator reading `t.device.type` (a new device object per tensor) it cost 3.6-7.4
-    us a call against 1.6-3.2 (BENCHMARKS.md, "fifty-second pass")."""
-    first = tensors[0]
-    dtype = first.dtype
-    if dtype not in DTYPES or first.numel() == 0:
-        return False
+    Why so little here: the eager step makes ~9 of these calls a layer, and reading dtypes and
+    strides from Python before each (as a `qualifies` here did) cost 2.3-4.9 us a call where the
+    kernels' own checks cost well under one; on the Intel AMX kind the 0.6B bf16 eager step took
+    0.957x the time at batch 1 and 0.975-0.982x at batch 4 with the checks in the kernels, the same
+    kernels in one process either way (BENCHMARKS.md, "seventy-seventh pass"). A plain loop over
+    `is_cpu`: `device.type` makes a device object per read ("fifty-second pass")."""
     for t in tensors:
-        if not t.is_cpu or t.dtype != dtype or t.stride(-1) != 1:
+        if not t.is_cpu:
             return False
-    return not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return kernel_runs()
 
 
 class PointwiseKernels:
@@ -75,42 +86,38 @@ class PointwiseKernels:
     def __init__(self):
         self.calls = 0
 
-    def _take(self, *tensors: torch.Tensor) -> bool:
-        if qualifies(*tensors) and kernel_runs():
-            self.calls += 1
-            return True
-        return False
-
     def rms_norm(self, x, weight, eps):
-        if weight.dim() == 1 and weight.is_contiguous() and self._take(x, weight):
-            return torch.ops.cann_cpu.rms_norm(x, weight, eps)
-        return reference.rms_norm(x, weight, eps)
+        y = _RMS_NORM(x, weight, eps) if may_take(x, weight) else None
+        if y is None:
+            return reference.rms_norm(x, weight, eps)
+        self.calls += 1
+        return y
 
     def add_rms_norm(self, x, residual, weight, eps):
-        same = residual.shape == x.shape and weight.dim() == 1 and weight.is_contiguous()
-        if same and self._take(x, residual, weight):
-            return torch.ops.cann_cpu.add_rms_norm(x, residual, weight, eps)
-        return reference.add_rms_norm(x, residual, weight, eps)
+        out = _ADD_RMS_NORM(x, residual, weight, eps) if may_take(x, residual, weight) else None
+        if not out:
+            return reference.add_rms_norm(x, residual, weight, eps)
+        self.calls += 1
+        return out[0], out[1]
 
     def swiglu(self, x):
-        if x.dim() >= 1 and x.shape[-1] % 2 == 0 and self._take(x):
-            return torch.ops.cann_cpu.swiglu(x)
-        return reference.swiglu(x)
+        y = _SWIGLU(x) if may_take(x) else None
+        if y is None:
+            return reference.swiglu(x)
+        self.calls += 1
+        return y
 
     def rotary_mul(self, x, cos, sin):
-        if x.shape[-1] % 2 == 0 and cos.dim() <= x.dim() and sin.dim() <= x.dim():
-            try:
-                cos_x, sin_x = cos.expand_as(x), sin.expand_as(x)
-            except RuntimeError:  # not broadcastable to x: the reference says why
-                return reference.rotary_mul(x, cos, sin)
-            if self._take(x, cos_x, sin_x):
-                return torch.ops.cann_cpu.rotary_mul(x, cos_x, sin_x)
-        return reference.rotary_mul(x, cos, sin)
+        y = _ROTARY_MUL(x, cos, sin) if may_take(x, cos, sin) else None
+        if y is None:
+            return reference.rotary_mul(x, cos, sin)
+        self.calls += 1
+        return y
 
     def kv_update(self, cache, new, positions):
-        shapes = cache.dim() == new.dim() == 4 and positions.dim() == 2 and positions.dtype == torch.long
-        if shapes and positions.device.type == "cpu" and self._take(cache, new):
-            return torch.ops.cann_cpu.kv_update(cache, new, positions)
+        if may_take(cache, new, positions) and _KV_UPDATE(cache, new, positions):
+            self.calls += 1
+            return cache
         return reference.kv_update(cache, new, positions)
 
     def table(self) -> dict[str, Callable]:

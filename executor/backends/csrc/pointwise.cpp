@@ -15,6 +15,14 @@
 //
 // Rows are handled in blocks of two float vectors, so rows of any length work (a partial block
 // at the end of a row).
+//
+// A call a kernel does not take (another dtype, rows that are not contiguous, shapes it does not
+// run) returns None (kv_update: false), having written nothing, and eager_pointwise runs the
+// reference for it; values that are wrong for the reference too (a KV slot outside the cache) are
+// errors. Why here and not in Python: the eager decode step makes ~9 of these calls a layer, and
+// the same checks as Python attribute reads before each call cost 2.3-4.9 us a call, against
+// 0.25-0.7 us for the Python left (eager_pointwise.may_take): 1-3 ms of the 0.6B bf16 eager step
+// on the Intel AMX kind (BENCHMARKS.md, "seventy-seventh pass").
 
 // ATen's vector types at the width this file is compiled for (cpu_vec.h, in
 // executor/custom_ops/csrc/). Their exps are the ones PyTorch's own CPU kernels call (SLEEF from
@@ -187,26 +195,33 @@ void norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Tensor
   });
 }
 
-void check_norm(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(x.dim() >= 1 && x.stride(-1) == 1, "rms_norm: x must have contiguous rows");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1) && weight.is_contiguous(),
-              "rms_norm: weight must be a contiguous (D,) vector");
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: x and weight must have one dtype");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "rms_norm: bf16 or fp32 only");
+// The kernels take `x`: bf16 or fp32, not empty, its rows contiguous.
+bool rows_taken(const at::Tensor& x) {
+  const auto dtype = x.scalar_type();
+  return (dtype == at::kFloat || dtype == at::kBFloat16) && x.dim() >= 1 && x.stride(-1) == 1 && x.numel() > 0;
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_norm(x, weight);
+// `t` has x's dtype, rows contiguous, and `shape` (its own or the one it broadcasts to).
+bool like(const at::Tensor& t, const at::Tensor& x, at::IntArrayRef shape) {
+  return t.scalar_type() == x.scalar_type() && t.sizes() == shape && t.stride(-1) == 1;
+}
+
+bool norm_taken(const at::Tensor& x, const at::Tensor& weight) {
+  return rows_taken(x) && weight.dim() == 1 && weight.size(0) == x.size(-1) && weight.is_contiguous() &&
+         weight.scalar_type() == x.scalar_type();
+}
+
+c10::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  if (!norm_taken(x, weight)) return c10::nullopt;
   at::Tensor y = at::empty(x.sizes(), x.options());
   by_dtype(x, [&](auto zero) { norm_rows<decltype(zero)>(x, nullptr, weight, eps, y, nullptr); });
   return y;
 }
 
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
-                                                const at::Tensor& weight, double eps) {
-  check_norm(x, weight);
-  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() && residual.stride(-1) == 1,
-              "add_rms_norm: residual must match x");
+// (y, x + residual), or nothing where not taken (a list, as the schema cannot make a tuple optional).
+std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                                     double eps) {
+  if (!norm_taken(x, weight) || !like(residual, x, x.sizes())) return {};
   at::Tensor y = at::empty(x.sizes(), x.options());
   at::Tensor sum = at::empty(x.sizes(), x.options());
   by_dtype(x, [&](auto zero) { norm_rows<decltype(zero)>(x, &residual, weight, eps, y, &sum); });
@@ -243,9 +258,8 @@ void swiglu_rows(const at::Tensor& x, at::Tensor& y) {
   });
 }
 
-at::Tensor swiglu(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() >= 1 && x.stride(-1) == 1 && x.size(-1) % 2 == 0, "swiglu: x must have even, contiguous rows");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "swiglu: bf16 or fp32 only");
+c10::optional<at::Tensor> swiglu(const at::Tensor& x) {
+  if (!rows_taken(x) || x.size(-1) % 2 != 0) return c10::nullopt;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() /= 2;
   at::Tensor y = at::empty(shape, x.options());
@@ -276,13 +290,21 @@ void rotary_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
   });
 }
 
-at::Tensor rotary_mul(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(x.dim() >= 1 && x.stride(-1) == 1 && x.size(-1) % 2 == 0, "rotary_mul: x must have even, contiguous rows");
-  TORCH_CHECK(cos.sizes() == x.sizes() && sin.sizes() == x.sizes() && cos.stride(-1) == 1 && sin.stride(-1) == 1,
-              "rotary_mul: cos and sin must be expanded to x's shape, rows contiguous");
-  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
-              "rotary_mul: x, cos and sin must have one dtype");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "rotary_mul: bf16 or fp32 only");
+// `t` broadcasts to `shape` (numpy's rule: from the last dim, each size equal or 1).
+bool broadcasts(const at::Tensor& t, at::IntArrayRef shape) {
+  const int64_t n = static_cast<int64_t>(shape.size());
+  if (t.dim() > n) return false;
+  for (int64_t i = 1; i <= t.dim(); ++i)
+    if (t.size(-i) != 1 && t.size(-i) != shape[n - i]) return false;
+  return true;
+}
+
+// cos and sin broadcast to x's shape (the model's are (B, 1, S, D) for every head).
+c10::optional<at::Tensor> rotary_mul(const at::Tensor& x, const at::Tensor& cos_in, const at::Tensor& sin_in) {
+  if (!rows_taken(x) || x.size(-1) % 2 != 0 || !broadcasts(cos_in, x.sizes()) || !broadcasts(sin_in, x.sizes()))
+    return c10::nullopt;
+  const at::Tensor cos = cos_in.expand(x.sizes()), sin = sin_in.expand(x.sizes());
+  if (!like(cos, x, x.sizes()) || !like(sin, x, x.sizes())) return c10::nullopt;  // e.g. a broadcast last dim
   // y keeps x's layout (as the reference's elementwise result does) and the rows are walked in
   // memory order: the model passes q and k as (B, H, S, D) views of (B, S, H, D) memory, whose
   // consecutive logical rows are H x D apart (4 KB for 16 bf16 heads of 128, a new page per
@@ -301,14 +323,13 @@ at::Tensor rotary_mul(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 }
 
 // The reference's kv_update as row copies: cache (B, Hkv, T, D) gets src (B, Hkv, S, D) at slots
-// positions (B, S), in place; any strides with contiguous rows (a prefill writes into a view of the
-// full cache). The reference is an index_put_ with two aranges for its indices, ~6 op calls per K
-// or V per layer; a slot outside the cache is an error, as index_put_'s.
-at::Tensor kv_update(at::Tensor cache, const at::Tensor& src, const at::Tensor& positions) {
-  TORCH_CHECK(cache.dim() == 4 && src.dim() == 4 && positions.dim() == 2, "kv_update: cache and new must be 4-d, positions 2-d");
-  TORCH_CHECK(cache.scalar_type() == src.scalar_type(), "kv_update: cache and new must have one dtype");
-  TORCH_CHECK(cache.stride(3) == 1 && src.stride(3) == 1, "kv_update: rows must be contiguous");
-  TORCH_CHECK(positions.scalar_type() == at::kLong, "kv_update: positions must be int64");
+// positions (B, S), in place (true: written); any strides with contiguous rows (a prefill writes
+// into a view of the full cache). The reference is an index_put_ with two aranges for its indices,
+// ~6 op calls per K or V per layer; a slot outside the cache is an error, as index_put_'s.
+bool kv_update(at::Tensor cache, const at::Tensor& src, const at::Tensor& positions) {
+  if (cache.dim() != 4 || src.dim() != 4 || positions.dim() != 2 || positions.scalar_type() != at::kLong ||
+      !rows_taken(cache) || !rows_taken(src) || src.scalar_type() != cache.scalar_type())
+    return false;
   const int64_t B = src.size(0), H = src.size(1), S = src.size(2), D = src.size(3), T = cache.size(2);
   TORCH_CHECK(cache.size(0) == B && cache.size(1) == H && cache.size(3) == D && positions.size(0) == B &&
                   positions.size(1) == S,
@@ -326,7 +347,7 @@ at::Tensor kv_update(at::Tensor cache, const at::Tensor& src, const at::Tensor& 
       for (int64_t s = 0; s < S; ++s)
         std::memcpy(dst + (b * cache.stride(0) + h * cache.stride(1) + p[b * S + s] * cache.stride(2)) * e,
                     from + (b * src.stride(0) + h * src.stride(1) + s * src.stride(2)) * e, row);
-  return cache;
+  return true;
 }
 
 }  // namespace
