@@ -143,13 +143,25 @@ CANN_AMX_TARGET void configure_stored(int rows) {
   _tile_loadconfig(&cfg);
 }
 
-// 64 weight rows as stored (ldw elements apart) times x^T (K/2 pairs of `rows` columns, xt) into
-// c (four 16 x 16 fp32 tiles: c[t][n][m] at t * 256 + n * 16 + m).
-CANN_AMX_TARGET void stored_block(const uint16_t* w, int64_t ldw, int64_t K, const uint32_t* xt, int rows, float* c) {
+// The stored layout's four sums (tmm0-3) cleared, and stored into c (c[t][n][m] at t * 256 + n * 16 + m).
+CANN_AMX_TARGET inline void zero_sums() {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
+}
+
+CANN_AMX_TARGET inline void store_sums(float* c) {
+  _tile_stored(0, c, 64);
+  _tile_stored(1, c + 256, 64);
+  _tile_stored(2, c + 512, 64);
+  _tile_stored(3, c + 768, 64);
+}
+
+// 64 weight rows as stored (ldw elements apart) times x^T (K/2 pairs of `rows` columns, xt) into
+// c (four 16 x 16 fp32 tiles: c[t][n][m] at t * 256 + n * 16 + m).
+CANN_AMX_TARGET void stored_block(const uint16_t* w, int64_t ldw, int64_t K, const uint32_t* xt, int rows, float* c) {
+  zero_sums();
   const int64_t stride = ldw * 2;
   for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
     _tile_loadd(4, xt + (k0 / 2) * rows, rows * 4);
@@ -162,10 +174,7 @@ CANN_AMX_TARGET void stored_block(const uint16_t* w, int64_t ldw, int64_t K, con
     _tile_loadd(5, w + 48 * ldw + k0, stride);
     _tile_dpbf16ps(3, 5, 4);
   }
-  _tile_stored(0, c, 64);
-  _tile_stored(1, c + 256, 64);
-  _tile_stored(2, c + 512, 64);
-  _tile_stored(3, c + 768, 64);
+  store_sums(c);
 }
 
 // stored_block's sums in another order: its 16-row tiles of the weight one after another, each over
@@ -177,19 +186,13 @@ CANN_AMX_TARGET void stored_block(const uint16_t* w, int64_t ldw, int64_t K, con
     _tile_dpbf16ps(tile, 5, 4);                                      \
   }
 CANN_AMX_TARGET void stored_rows(const uint16_t* w, int64_t ldw, int64_t K, const uint32_t* xt, int rows, float* c) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  zero_sums();
   const int64_t stride = ldw * 2;
   CANN_STORED_ROWS(0)  // the tile register is an immediate of the instruction: one loop per tile
   CANN_STORED_ROWS(1)
   CANN_STORED_ROWS(2)
   CANN_STORED_ROWS(3)
-  _tile_stored(0, c, 64);
-  _tile_stored(1, c + 256, 64);
-  _tile_stored(2, c + 512, 64);
-  _tile_stored(3, c + 768, 64);
+  store_sums(c);
 }
 #undef CANN_STORED_ROWS
 
