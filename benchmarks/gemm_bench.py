@@ -2,18 +2,18 @@
 its AMX loop `cann_cpu::amx_linear`) vs oneDNN on packed weights (vs aten's linear where oneDNN
 cannot run the dtype natively: bf16 on an AVX2 CPU); and the eager path's kernels on the weights as
 stored (`cann_cpu::gemv` for 1-4 rows, `cann_cpu::dot_linear` for 3-64 (in bf16 on a CPU without AMX), its
-AVX-512 or its AVX2 loop; in bf16 on a CPU with AMX the AMX loop for 2-192) next to aten's linear (bf16) or
-oneDNN's (fp32) on the same weights; past
-dot_linear's rows, where the eager path gives them to the kernel on the weight as stored (packing each
-block as it goes: eager_linear.rows_run_plain), that pass next to aten's linear on the same weights.
+AVX-512 or its AVX2 loop; in bf16 on a CPU with AMX the AMX loop for 2-192) next to aten's linear (bf16)
+or oneDNN's (fp32) on the same weights; past dot_linear's rows, where the eager path gives them to the
+kernel on the weight as stored (packing each block as it goes: eager_linear.rows_run_plain), that pass
+next to aten's linear on the same weights.
 
 Why: a batched decode step is one pass over every projection with M = batch rows. This times that
 pass outside the model, on the projections of a named size as the loader merges them (qkv_proj,
 o_proj, gate_up_proj, down_proj per layer, and the lm_head), with random weights of --dtype, so the
 GEMM's own streaming rate is seen without the rest of the step. The weights are on whole 2 MiB pages
 (executor/huge_pages.py), as the runner places a model's and packed_linear its packed copies: before,
-only the packed copies were, and the kernels on the weights as stored read ~0.1 of a sum's rate less
-for it (BENCHMARKS.md, "seventy-seventh pass").
+only the packed copies were, and the kernels on the weights as stored read 0.04-0.07 of a sum's rate
+less for it (BENCHMARKS.md, "seventy-seventh pass").
 
 Each round times one full pass per method and, right before it, one fp32 sum over 512 MiB; the
 ratio pass rate / sum rate is taken per round and the median printed: on the reference VM the
