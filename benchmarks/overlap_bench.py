@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -44,11 +43,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cli import guarded, int_list, json_path, name_list, write_json  # noqa: E402
-from executor.custom_ops._build import cpu_has_amx  # noqa: E402
+from executor.custom_ops._build import CSRC, compiler, cpu_has_amx  # noqa: E402
 from executor.errors import RecipeError  # noqa: E402
 
 PROBE = ROOT / "benchmarks" / "csrc" / "overlap_probe.cpp"
-HEADERS = ROOT / "executor" / "custom_ops" / "csrc"  # amx_tiles.h: the AMX kernel's own loop
 LOOPS = {"fp32": 4, "amx": 2}  # the loops the probe has, and the bytes of one weight value in each
 KEYS = ("stream", "compute", "pass", "pass_pf")  # every loop's; fp32 adds ASKING
 ASKING = ("alone6", "asking_compute", "asking_stream")
@@ -81,12 +79,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build(where: Path) -> Path:
-    """The probe compiled for this CPU (-march=native), with $CXX or the first C++ compiler on PATH."""
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not cxx:
-        raise RecipeError("overlap_bench: no C++ compiler found; install one or name it in $CXX")
+    """The probe compiled for this CPU (-march=native) with the compiler the kernels are built with
+    ($CXX, else c++), amx_tiles.h from the kernels' headers (CSRC)."""
+    cxx = compiler()
     exe = where / "overlap_probe"
-    cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-pthread", f"-I{HEADERS}", str(PROBE), "-o", str(exe)]
+    cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-pthread", f"-I{CSRC}", str(PROBE), "-o", str(exe)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     except OSError as exc:  # $CXX names no program
