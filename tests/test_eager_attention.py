@@ -1,6 +1,7 @@
 """The causal attention of the eager prefill on CPU runs cann_cpu::causal_attention
-(executor.backends.eager_attention, csrc/causal_attention.cpp): its bf16 loop on AVX512-BF16, its
-fp32 loop on AVX2 (both taken on a CPU without AMX).
+(executor.backends.eager_attention, csrc/causal_attention.cpp): its bf16 loop on AVX512-BF16 (taken
+on a CPU without AMX), its fp32 loop on AVX2, or its wide fp32 loop on AVX-512F (taken on a CPU with
+AMX; tested wherever AVX-512F runs).
 
 The kernel is checked against fp64 attention (what it computes, at higher precision) with SDPA's
 own error in the same dtype on the same inputs as the yardstick; the runner's prefill against
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 import tests.checkpoints as ckpt
 from executor.backends import eager_attention
 from executor.backends.eager_attention import AttentionKernel, qualifies
-from executor.custom_ops._build import cpu_has_amx
+from executor.custom_ops._build import cpu_has_amx, cpu_has_avx512
 from executor.ops import reference as ops_reference
 from tests.no_compiler import run_without_compiler
 from tests.test_qwen_dense import PROMPT, assert_close_logits, hf_logits
@@ -64,17 +65,53 @@ def inputs(b, hq, hkv, s, d, seed=0, dtype=torch.bfloat16):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kernel_matches_fp64_attention_as_closely_as_sdpa(dtype, b, hq, hkv, s, d):
     needs_loop(dtype)
-    if d % eager_attention.HEAD_DIM_MULTIPLE[dtype]:
+    if d % (eager_attention.WIDE_COLS if dtype == torch.bfloat16 else eager_attention.NARROW_COLS):
         pytest.skip(f"head_dim {d} is not a whole tile of the {dtype} loop")
+    assert_as_close_as_sdpa(dtype, b, hq, hkv, s, d, wide=False)
+
+
+def assert_as_close_as_sdpa(dtype, b, hq, hkv, s, d, wide):
     q, k, v = inputs(b, hq, hkv, s, d, dtype=dtype)
     want = reference(q, k, v)
-    got = torch.ops.cann_cpu.causal_attention(q, k, v, d**-0.5)
+    got = torch.ops.cann_cpu.causal_attention(q, k, v, d**-0.5, wide)
     sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     assert got.shape == (b, hq, s, d) and got.dtype == dtype
     err, sdpa_err = (got.double() - want).abs(), (sdpa.double() - want).abs()
     floor = 1e-3 if dtype == torch.bfloat16 else 1e-6  # one rounding of an output in the dtype, about
     assert err.max() <= 1.5 * sdpa_err.max() + floor
     assert err.mean() <= 1.5 * sdpa_err.mean() + floor / 100
+
+
+def needs_wide_loop() -> None:
+    needs_loop(torch.float32)
+    if not cpu_has_avx512(torch.float32):
+        pytest.skip("this CPU has no AVX-512F for the wide fp32 loop")
+
+
+@pytest.mark.parametrize(
+    "b,hq,hkv,s,d",
+    [
+        (1, 16, 8, 300, 128),  # the 0.6B shape's heads, blocks of keys past one 256-key block
+        (2, 4, 4, 70, 64),  # two prompts, no grouping, a part of a 64-key tile
+        (1, 14, 2, 257, 64),  # seven heads per KV head, one key past a block
+        (1, 2, 1, 1, 64),  # a single token
+        (1, 4, 2, 600, 192),  # three 64-column blocks of the output, keys past two blocks
+    ],
+)
+def test_the_wide_fp32_loop_matches_fp64_attention_as_closely_as_sdpa(b, hq, hkv, s, d):
+    needs_wide_loop()
+    assert_as_close_as_sdpa(torch.float32, b, hq, hkv, s, d, wide=True)
+
+
+def test_the_wide_loop_is_fp32_on_whole_64_column_tiles_only():
+    needs_wide_loop()
+    q, k, v = inputs(1, 4, 2, 20, 64)
+    with pytest.raises(RuntimeError, match="wide is the fp32 loop"):
+        torch.ops.cann_cpu.causal_attention(q, k, v, 0.125, True)  # bf16
+    q, k, v = (t[..., :48].float() for t in (q, k, v))
+    with pytest.raises(RuntimeError, match="head_dim 48 is not a multiple of 64"):
+        torch.ops.cann_cpu.causal_attention(q, k, v, 0.125, True)
+    torch.ops.cann_cpu.causal_attention(q, k, v, 0.125)  # the AVX2 loop's 16-column tiles take it
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -94,7 +131,9 @@ def test_only_plain_causal_bf16_and_fp32_calls_qualify():
     assert not qualifies(q.double(), k.double(), v.double())
     assert not qualifies(q.float(), k, v)  # mixed dtypes
     assert not qualifies(q[..., :48], k[..., :48], v[..., :48])  # head_dim not a multiple of 64 (bf16)
-    assert qualifies(*(t[..., :48].float() for t in (q, k, v)))  # fp32's tiles are 16 wide
+    # fp32's tiles are 16 wide, or 64 where the wide loop is taken (a CPU with AMX)
+    assert qualifies(*(t[..., :48].float() for t in (q, k, v))) == (not eager_attention.wide_f32())
+    assert qualifies(*(t[..., :64].float() for t in (q, k, v)))
     assert not qualifies(*(t[..., :40].float() for t in (q, k, v)))
     assert not qualifies(q[:, :, :8], k, v)  # fewer queries than keys (a later chunk)
     assert not qualifies(q[:, :3], k, v)  # heads not a multiple of the KV heads
@@ -149,14 +188,16 @@ def test_bf16_prefill_runs_the_kernel_and_matches_hf(kernel, wide_heads_ckpt, ma
     assert F.cosine_similarity(got, want, dim=0) > 0.99
 
 
-def test_fp32_prefill_takes_the_kernel_on_a_cpu_without_amx_and_matches_hf(wide_heads_ckpt, make_qwen_runner):
-    """The fp32 loop where it is taken (a CPU with AVX2 and no AMX), SDPA elsewhere; either way the
-    prefill's logits and the greedy tokens are transformers'."""
-    runner, ref = make_qwen_runner(wide_heads_ckpt), ckpt.load_reference(wide_heads_ckpt)
-    prompt = [(7 * i) % 90 + 3 for i in range(28)]  # past one 16-key tile, a part of the next
+def test_fp32_prefill_takes_the_kernel_and_matches_hf(wide_heads_ckpt, make_qwen_runner):
+    """An fp32 loop where one runs (AVX2; the wide one on a CPU with AMX), SDPA elsewhere; either way
+    the prefill's logits and the greedy tokens are transformers'."""
+    runner = make_qwen_runner(wide_heads_ckpt, "data_config.input_truncated_len=70")
+    ref = ckpt.load_reference(wide_heads_ckpt)
+    prompt = [(7 * i) % 90 + 3 for i in range(70)]  # past one 64-key tile (four 16-key ones), a part of the next
     gen = runner.generate([prompt], 4)
     taken = eager_attention.takes_prefill(torch.float32)
-    assert taken == (not cpu_has_amx() and eager_attention.kernel_runs(torch.float32))
+    assert taken == eager_attention.kernel_runs(torch.float32)
+    assert eager_attention.wide_f32() == (cpu_has_amx() and cpu_has_avx512(torch.float32))
     assert runner.prefill_kernels.to_metrics()["prefill_attention"] == {
         "kernel": eager_attention.KERNEL if taken else "sdpa",
         "kernel_calls": 2 * taken,

@@ -54,7 +54,7 @@ class EagerKernels:
 
     def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype):
         self.linear_kernel = eager_linear.kernel_for(model, device, dtype)
-        self.attention = device.type == "cpu" and dtype in eager_attention.HEAD_DIM_MULTIPLE
+        self.attention = device.type == "cpu" and dtype in eager_attention.DTYPES
         self.pointwise = device.type == "cpu" and dtype in eager_pointwise.DTYPES
         self.kernels = KernelTable()
 

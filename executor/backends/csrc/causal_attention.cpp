@@ -2,8 +2,9 @@
 //
 // out = softmax(q k^T * scale + causal mask) v for a bf16 or fp32 prefill from slot 0 (query i sees
 // keys 0..i), with grouped-query heads: q (B, Hq, S, D), k and v (B, Hkv, S, D), Hq a multiple of
-// Hkv. Returns (B, Hq, S, D) laid out as (B, S, Hq, D), the layout o_proj reads next. Two loops
-// share the blocking (run_item): bf16 on AVX512-BF16, fp32 on AVX2 + FMA (further down).
+// Hkv. Returns (B, Hq, S, D) laid out as (B, S, Hq, D), the layout o_proj reads next. Three loops
+// share the blocking (run_item): bf16 on AVX512-BF16, fp32 on AVX2 + FMA, and fp32 on AVX-512F
+// (`wide`: 64-column blocks, as bf16's) further down.
 //
 // Why a kernel: PyTorch's CPU flash attention ran a 2048-token Qwen3-0.6B layer (16 query heads,
 // 8 KV heads, D = 128) in 127-146 ms in bf16 on the 2-core reference machine, ~120 GFLOP/s, where
@@ -57,13 +58,13 @@ template <typename T>
 using TileFn = void (*)(const T*, int64_t, const T*, int64_t, float*, int64_t, const float*);
 
 #ifdef CANN_ATTN
-// --- bf16, AVX512-BF16: 64-column blocks ---
-#define CANN_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+// --- AVX-512: what the bf16 loop and the wide fp32 loop share (64-column blocks) ---
+#define CANN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
 // exp(x) for x <= 0 (a score minus its row's max): 2^(x log2 e) split as 2^n 2^f, |f| <= 1/2, with
 // 2^f from its degree-6 Taylor polynomial (relative error ~1e-7, below fp32's rounding of the
 // scores it is applied to); below -87 the result is flushed towards 0 by the clamp.
-CANN_TARGET inline __m512 exp_ps(__m512 x) {
+CANN_AVX512 inline __m512 exp_ps(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -78,16 +79,59 @@ CANN_TARGET inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// A 64-column tile's MB x 4 accumulators at its start: zero, or its rows of `out` times alpha (TileFn).
+template <int MB>
+CANN_AVX512 inline void start_tile(__m512 (&acc)[MB][4], const float* out, int64_t ldo, const float* alpha) {
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m) {
+    const __m512 s = _mm512_set1_ps(alpha ? alpha[m] : 0.0f);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c)
+      acc[m][c] = alpha ? _mm512_mul_ps(_mm512_loadu_ps(out + m * ldo + c * 16), s) : _mm512_setzero_ps();
+  }
+}
+
+template <int MB>
+CANN_AVX512 inline void store_tile(const __m512 (&acc)[MB][4], float* out, int64_t ldo) {
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + m * ldo + c * 16, acc[m][c]);
+}
+
+// The first half of the online softmax of one row over one block of keys (s: fp32 scores, `valid`
+// of them, scaled by `scale`): the row's running max moves to the block's; returns the factor the
+// row's output and sum are rescaled by, exp(old max - new max).
+CANN_AVX512 inline float new_row_max(const float* s, int64_t valid, float scale, float& row_max) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < valid; j += 16) {
+    const __mmask16 k = valid - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (valid - j)) - 1);
+    vmax = _mm512_mask_max_ps(vmax, k, vmax, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), vscale));
+  }
+  const float new_max = std::max(row_max, _mm512_reduce_max_ps(vmax));
+  const float alpha = row_max == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(row_max - new_max);
+  row_max = new_max;
+  return alpha;
+}
+
+// The probabilities of scores s[j, j + 16): exp(s scale - row_max), 0 from `valid` on.
+CANN_AVX512 inline __m512 probs16(const float* s, int64_t j, int64_t valid, float scale, float row_max) {
+  const int64_t left = valid - j;
+  const __mmask16 k = left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+  return _mm512_maskz_mov_ps(k, exp_ps(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), _mm512_set1_ps(scale),
+                                                       _mm512_set1_ps(row_max))));
+}
+
+// --- bf16, AVX512-BF16 ---
+#define CANN_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
 // The bf16 tile (TileFn): 64 columns, K2 pairs of the reduction.
 template <int MB>
 CANN_TARGET inline void dot_tile(const uint16_t* a, int64_t lda, const uint16_t* blk, int64_t K2, float* out,
                                  int64_t ldo, const float* alpha) {
   __m512 acc[MB][4];
-  for (int m = 0; m < MB; ++m) {
-    const __m512 s = _mm512_set1_ps(alpha ? alpha[m] : 0.0f);
-    for (int c = 0; c < 4; ++c)
-      acc[m][c] = alpha ? _mm512_mul_ps(_mm512_loadu_ps(out + m * ldo + c * 16), s) : _mm512_setzero_ps();
-  }
+  start_tile<MB>(acc, out, ldo, alpha);
   for (int64_t kp = 0; kp < K2; ++kp) {
     const uint16_t* w = blk + kp * 2 * 64;
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
@@ -102,8 +146,7 @@ CANN_TARGET inline void dot_tile(const uint16_t* a, int64_t lda, const uint16_t*
       acc[m][3] = _mm512_dpbf16_ps(acc[m][3], w3, b);
     }
   }
-  for (int m = 0; m < MB; ++m)
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + m * ldo + c * 16, acc[m][c]);
+  store_tile<MB>(acc, out, ldo);
 }
 
 
@@ -112,25 +155,14 @@ CANN_TARGET inline void dot_tile(const uint16_t* a, int64_t lda, const uint16_t*
 // (0 past `valid`, up to `width`) and returns the factor the row's output is rescaled by.
 CANN_TARGET inline float softmax_row_bf16(const float* s, int64_t valid, int64_t width, float scale, float& row_max,
                                           float& row_sum, uint16_t* p) {
-  const __m512 vscale = _mm512_set1_ps(scale);
-  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < valid; j += 16) {
-    const __mmask16 k = valid - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (valid - j)) - 1);
-    vmax = _mm512_mask_max_ps(vmax, k, vmax, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + j), vscale));
-  }
-  const float new_max = std::max(row_max, _mm512_reduce_max_ps(vmax));
-  const float alpha = row_max == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(row_max - new_max);
-  const __m512 vnew = _mm512_set1_ps(new_max);
+  const float alpha = new_row_max(s, valid, scale, row_max);
   __m512 vsum = _mm512_setzero_ps();
   for (int64_t j = 0; j < width; j += 16) {
-    const int64_t left = valid - j;
-    const __mmask16 k = left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(k, exp_ps(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), vscale, vnew)));
+    const __m512 e = probs16(s, j, valid, scale, row_max);
     vsum = _mm512_add_ps(vsum, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), (__m256i)_mm512_cvtneps_pbh(e));
   }
   row_sum = row_sum * alpha + _mm512_reduce_add_ps(vsum);
-  row_max = new_max;
   return alpha;
 }
 
@@ -269,6 +301,20 @@ CANN_AVX2 inline float softmax_row_f32(const float* s, int64_t valid, int64_t wi
 }
 #undef CANN_AVX2
 
+// Pack one fp32 KV head for C-column blocks: K (S, D) -> (T/C, D, C), V (S, D) -> (D/C, T, C), the
+// padding keys zero.
+template <int64_t C>
+void pack_kv_f32(const float* k, int64_t ks, const float* v, int64_t vs, int64_t S, int64_t D, int64_t T,
+                 float* kp, float* vp) {
+  std::fill(kp, kp + T * D, 0.0f);
+  std::fill(vp, vp + T * D, 0.0f);
+  for (int64_t j = 0; j < S; ++j) {
+    float* kb = kp + (j / C) * C * D + j % C;
+    for (int64_t d = 0; d < D; ++d) kb[d * C] = k[j * ks + d];
+    for (int64_t d = 0; d < D; ++d) vp[(d / C) * T * C + j * C + d % C] = v[j * vs + d];
+  }
+}
+
 struct F32Loop {
   using T = float;
   static constexpr int64_t kCols = 16, kStep = 1;
@@ -281,17 +327,64 @@ struct F32Loop {
   static void store_row(const float* o, float inv, int64_t D, T* out) {
     for (int64_t d = 0; d < D; ++d) out[d] = o[d] * inv;
   }
-  // K (S, D) -> (T/16, D, 16), V (S, D) -> (D/16, T, 16), the padding keys zero.
   static void pack_kv(const T* k, int64_t ks, const T* v, int64_t vs, int64_t S, int64_t D, int64_t T_, T* kp, T* vp) {
-    std::fill(kp, kp + T_ * D, 0.0f);
-    std::fill(vp, vp + T_ * D, 0.0f);
-    for (int64_t j = 0; j < S; ++j) {
-      float* kb = kp + (j / kCols) * kCols * D + j % kCols;
-      for (int64_t d = 0; d < D; ++d) kb[d * kCols] = k[j * ks + d];
-      for (int64_t d = 0; d < D; ++d) vp[(d / kCols) * T_ * kCols + j * kCols + d % kCols] = v[j * vs + d];
-    }
+    pack_kv_f32<kCols>(k, ks, v, vs, S, D, T_, kp, vp);
   }
 };
+
+// --- fp32, AVX-512F: 64-column blocks (`wide`; taken on a CPU with AMX) ---
+// The AVX2 loop above reached ~150 GFLOP/s on the Intel AMX kind at 2048 tokens, about three
+// quarters of what 8-wide FMAs can do there, and SDPA ran 80-180. A tile here is up to 6 rows x 64
+// columns, as the bf16 loop's: 24 accumulators, 4 operand registers and one broadcast.
+template <int MB>
+CANN_AVX512 inline void dot_tile_f32x64(const float* a, int64_t lda, const float* blk, int64_t K, float* out,
+                                        int64_t ldo, const float* alpha) {
+  __m512 acc[MB][4];
+  start_tile<MB>(acc, out, ldo, alpha);
+#pragma GCC unroll 2
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 w0 = _mm512_loadu_ps(blk + k * 64), w1 = _mm512_loadu_ps(blk + k * 64 + 16);
+    const __m512 w2 = _mm512_loadu_ps(blk + k * 64 + 32), w3 = _mm512_loadu_ps(blk + k * 64 + 48);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      const __m512 b = _mm512_set1_ps(a[m * lda + k]);
+      acc[m][0] = _mm512_fmadd_ps(w0, b, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(w1, b, acc[m][1]);
+      acc[m][2] = _mm512_fmadd_ps(w2, b, acc[m][2]);
+      acc[m][3] = _mm512_fmadd_ps(w3, b, acc[m][3]);
+    }
+  }
+  store_tile<MB>(acc, out, ldo);
+}
+
+// softmax_row_bf16's online softmax with fp32 probabilities.
+CANN_AVX512 inline float softmax_row_f32x64(const float* s, int64_t valid, int64_t width, float scale,
+                                            float& row_max, float& row_sum, float* p) {
+  const float alpha = new_row_max(s, valid, scale, row_max);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < width; j += 16) {
+    const __m512 e = probs16(s, j, valid, scale, row_max);
+    vsum = _mm512_add_ps(vsum, e);
+    _mm512_storeu_ps(p + j, e);
+  }
+  row_sum = row_sum * alpha + _mm512_reduce_add_ps(vsum);
+  return alpha;
+}
+
+struct F32WideLoop : F32Loop {  // F32Loop's row store
+  static constexpr int64_t kCols = 64;
+  static constexpr TileFn<T> kTiles[kRows + 1] = {
+      nullptr, dot_tile_f32x64<1>, dot_tile_f32x64<2>, dot_tile_f32x64<3>, dot_tile_f32x64<4>, dot_tile_f32x64<5>,
+      dot_tile_f32x64<6>};
+  static bool runs() { return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq"); }
+  static float softmax_row(const float* s, int64_t valid, int64_t width, float scale, float& mx, float& sum, T* p) {
+    return softmax_row_f32x64(s, valid, width, scale, mx, sum, p);
+  }
+  static void pack_kv(const T* k, int64_t ks, const T* v, int64_t vs, int64_t S, int64_t D, int64_t T_, T* kp, T* vp) {
+    pack_kv_f32<kCols>(k, ks, v, vs, S, D, T_, kp, vp);
+  }
+};
+#undef CANN_AVX512
 
 // One work item: query positions [q0, q1) of the G heads that share one KV head.
 template <typename T>
@@ -303,15 +396,27 @@ struct Item {
   int64_t os, oh;
 };
 
+// A thread's buffers for its items, kept from one item to the next. Allocated and zeroed for every
+// item, malloc, memset and memmove took 4.3% of the perf samples of a 2048-token fp32 call on the
+// wide loop; kept, 3.0% (BENCHMARKS.md, "seventy-eighth pass").
+template <typename E>
+struct Scratch {
+  std::vector<E> q, p;                                            // the item's query rows; probabilities
+  std::vector<float> scores, out, row_max, row_sum, alpha;
+};
+
 // The flash loop of one item, either dtype's loop L (its tiles, softmax and packing).
 template <typename L>
-void run_item(const Item<typename L::T>& it, int64_t G, int64_t q0, int64_t q1, int64_t D, int64_t T, float scale) {
+void run_item(const Item<typename L::T>& it, int64_t G, int64_t q0, int64_t q1, int64_t D, int64_t T, float scale,
+              Scratch<typename L::T>& scratch) {
   using E = typename L::T;
   constexpr int64_t C = L::kCols;
   const int64_t bq = q1 - q0, R = G * bq;
-  std::vector<E> qbuf(R * D), pbuf(R * kKeys);
-  std::vector<float> sbuf(R * kKeys), obuf(R * D, 0.0f), row_max(R, -std::numeric_limits<float>::infinity()),
-      row_sum(R, 0.0f), alpha(R);
+  auto& [qbuf, pbuf, sbuf, obuf, row_max, row_sum, alpha] = scratch;
+  qbuf.resize(R * D), pbuf.resize(R * kKeys), sbuf.resize(R * kKeys), alpha.resize(R);
+  obuf.assign(R * D, 0.0f);
+  row_max.assign(R, -std::numeric_limits<float>::infinity());
+  row_sum.assign(R, 0.0f);
   for (int64_t g = 0; g < G; ++g)  // rows g * bq + i: head g, position q0 + i
     for (int64_t i = 0; i < bq; ++i)
       std::copy(it.q + g * it.qh + (q0 + i) * it.qs, it.q + g * it.qh + (q0 + i) * it.qs + D, &qbuf[(g * bq + i) * D]);
@@ -362,12 +467,13 @@ void run_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, doub
   });
   const int64_t bq = std::max<int64_t>(8, kTileRows / G), nq = (S + bq - 1) / bq;
   at::parallel_for(0, B * Hkv * nq, 1, [&](int64_t begin, int64_t end) {
+    Scratch<E> scratch;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t bh = w / nq, j = w % nq, b = bh / Hkv, h = bh % Hkv;
       const int64_t blk = j % 2 == 0 ? j / 2 : nq - 1 - j / 2;
       const Item<E> it{in(q) + b * q.stride(0) + h * G * q.stride(1), q.stride(2), q.stride(1),
                        in(kp) + bh * T * D, in(vp) + bh * T * D, mut(out) + b * S * Hq * D + h * G * D, Hq * D, D};
-      run_item<L>(it, G, blk * bq, std::min(S, (blk + 1) * bq), D, T, static_cast<float>(scale));
+      run_item<L>(it, G, blk * bq, std::min(S, (blk + 1) * bq), D, T, static_cast<float>(scale), scratch);
     }
   });
 }
@@ -381,7 +487,7 @@ bool causal_attention_supported(at::ScalarType dtype) {
 #endif
 }
 
-at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool wide) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "causal_attention: q must be bf16 or fp32");
   TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype, "causal_attention: q, k and v must share a dtype");
@@ -395,12 +501,19 @@ at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1, "causal_attention: rows must be contiguous");
   at::Tensor out = at::empty({B, S, Hq, D}, q.options());
 #ifdef CANN_ATTN
-  const int64_t cols = dtype == at::kBFloat16 ? Bf16Loop::kCols : F32Loop::kCols;
+  TORCH_CHECK(!wide || (dtype == at::kFloat && F32WideLoop::runs()),
+              "causal_attention: wide is the fp32 loop on AVX-512F (this call: ", dtype, ", AVX-512F ",
+              F32WideLoop::runs() ? "present" : "absent", ")");
+  const int64_t cols = dtype == at::kBFloat16 ? Bf16Loop::kCols : wide ? F32WideLoop::kCols : F32Loop::kCols;
   TORCH_CHECK(D % cols == 0, "causal_attention: head_dim ", D, " is not a multiple of ", cols);
   if (dtype == at::kBFloat16)
     run_all<Bf16Loop>(q, k, v, scale, out);
+  else if (wide)
+    run_all<F32WideLoop>(q, k, v, scale, out);
   else
     run_all<F32Loop>(q, k, v, scale, out);
+#else
+  TORCH_CHECK(!wide, "causal_attention: wide needs an x86-64 build");
 #endif
   return out.permute({0, 2, 1, 3});
 }
