@@ -53,7 +53,8 @@ def test_qualifying_fp32_gemms_run_through_onednn_or_the_rows_kernel_with_the_sa
 
 def test_fp32_gemms_past_the_rows_kernels_rows_go_to_aten_on_its_cpu():
     """More than PLAIN_MAX_ROWS_F32 fp32 rows: aten's sgemm where the rows kernel takes fp32 (faster
-    there at that size), oneDNN elsewhere, as below the limit; the rows kernel keeps the limit itself."""
+    there at that size), oneDNN elsewhere (aten on a CPU with AMX, past ATEN_MIN_ROWS_F32), as below
+    the limit; the rows kernel keeps the limit itself."""
     torch.manual_seed(0)
     big = torch.nn.Linear(256, LARGE)
     limit = eager_linear.PLAIN_MAX_ROWS_F32
@@ -63,7 +64,26 @@ def test_fp32_gemms_past_the_rows_kernels_rows_go_to_aten_on_its_cpu():
             x = torch.randn(rows, 256)
             torch.testing.assert_close(mode.linear(x, big.weight, big.bias), F.linear(x, big.weight, big.bias))
     plain = eager_linear.rows_run_plain(torch.float32)
-    assert (mode.rows_calls, mode.aten_calls, mode.onednn_calls) == ((1, 1, 0) if plain else (0, 0, 2))
+    elsewhere = (0, 2, 0) if eager_linear.aten_takes_long_prompts(torch.float32) else (0, 0, 2)
+    assert (mode.rows_calls, mode.aten_calls, mode.onednn_calls) == ((1, 1, 0) if plain else elsewhere)
+
+
+def test_long_fp32_prompts_go_to_aten_on_a_cpu_with_amx():
+    """From ATEN_MIN_ROWS_F32 rows on, an fp32 product that oneDNN would run is aten's (MKL's sgemm)
+    on a CPU with AMX; elsewhere oneDNN keeps it (or the rows kernel, on an AVX2 CPU)."""
+    if eager_linear.rows_run_plain(torch.float32) or not packed_linear.supported(torch.float32):
+        pytest.skip("oneDNN does not take fp32 GEMMs of many rows on this CPU")
+    torch.manual_seed(0)
+    big = torch.nn.Linear(256, LARGE)
+    limit = eager_linear.ATEN_MIN_ROWS_F32
+    mode = LinearKernel()
+    with torch.no_grad():
+        for rows in (limit - 1, limit):
+            x = torch.randn(rows, 256)
+            torch.testing.assert_close(mode.linear(x, big.weight, big.bias), F.linear(x, big.weight, big.bias))
+    amx = eager_linear.aten_takes_long_prompts(torch.float32)
+    assert amx == torch.cpu._is_amx_tile_supported()
+    assert (mode.onednn_calls, mode.aten_calls) == ((1, 1) if amx else (2, 0))
 
 
 def test_autograd_stays_with_aten():
@@ -271,6 +291,8 @@ def test_prefill_linears_match_hf(wide_ckpt, make_qwen_runner):
     dot = eager_linear.dot_runs(torch.float32)
     assert dot == (torch.cpu._is_avx512_supported() or torch.cpu._is_avx2_supported())
     many = "rows_linear" if eager_linear.rows_run_plain(torch.float32) else "onednn"
+    if eager_linear.aten_takes_long_prompts(torch.float32):
+        many += "+aten"  # from ATEN_MIN_ROWS_F32 rows (none in this prompt)
     gemv = "" if eager_linear.aten_takes_single_rows(torch.float32) else "gemv+"
     assert runner.prefill_kernels.linear_kernel == (f"{gemv}dot_linear+{many}" if dot else "onednn")
     expected = ckpt.reference_greedy(ref, PROMPT, 8)

@@ -4,8 +4,10 @@ Why oneDNN: in this torch build aten's fp32 `linear` is MKL's sgemm, and on the 
 machine (an AMD EPYC) it ran the Qwen3-0.6B prefill's GEMMs at 60-90 GFLOP/s, while oneDNN, which
 this build also carries, ran the same products 1.2-1.7x faster on the plain, unpacked weight (M =
 128-2048 rows; a square product: 133 against 207 GFLOP/s; BENCHMARKS.md, "sixth pass"). The fp32
-prefill is ~90% GEMMs, so this is most of its time. bf16 GEMMs are left alone where oneDNN runs
-bf16 natively (AVX512-BF16 or AMX): aten already sends them to it.
+prefill is ~90% GEMMs, so this is most of its time. On the Intel host with AMX MKL is the faster
+of the two from ~512 rows, so a long prompt's fp32 products stay aten's there (aten_takes_long_prompts).
+bf16 GEMMs are left alone where oneDNN runs bf16 natively (AVX512-BF16 or AMX): aten already sends
+them to it.
 
 Why the rows kernel for bf16 GEMMs elsewhere (`cann_cpu::rows_linear` on the weight as stored,
 csrc/rows_linear.cpp): on a CPU without native bf16 (an AVX2 host) oneDNN emulates bf16, and aten's
@@ -83,6 +85,7 @@ GEMV_SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cpp"
 PLAIN_COLS = 16  # rows_linear's AVX2 loop on a weight as stored (N a multiple of it; plain_cols)
 PLAIN_COLS_AVX512 = 64  # its AVX-512 bf16 loop on a weight as stored (N a multiple of it, K even)
 PLAIN_MAX_ROWS_F32 = 1024  # the most fp32 rows the rows kernel takes; aten's sgemm more (rows_run_plain)
+ATEN_MIN_ROWS_F32 = 512  # from this many fp32 rows, aten's sgemm not oneDNN on a CPU with AMX (aten_takes_long_prompts)
 # The most bf16 rows the eager path gives the AMX loop on a weight as stored (a CPU with AMX; the
 # module docstring): the largest prompt length at which the 0.6B prefill was measured faster with it.
 AMX_STORED_MAX_ROWS = 192
@@ -194,6 +197,17 @@ def aten_takes_single_rows(dtype: torch.dtype) -> bool:
 
 
 @functools.cache
+def aten_takes_long_prompts(dtype: torch.dtype) -> bool:
+    """fp32 products of ATEN_MIN_ROWS_F32 rows and more (a long prompt's prefill) go to aten's linear
+    (MKL's sgemm) instead of oneDNN on a CPU with AMX. There, over the 0.6B projections on whole 2 MiB
+    pages, MKL took 1.08-1.13x oneDNN's time at 64-256 rows, 0.97-1.01x at 512, 0.95-0.97x at 1024
+    and 0.92x at 2048; in the fp32 prefill (one process, 7 rounds in turns) 0.961-0.968x the time at
+    512 tokens and 0.932-0.942x at 2048 from 256 or 512 rows on (BENCHMARKS.md, "seventy-eighth
+    pass"). On the AMD hosts oneDNN ran them 1.2-1.7x faster than MKL (the module docstring)."""
+    return dtype == torch.float32 and cpu_has_amx()
+
+
+@functools.cache
 def gemv_in_graphs(dtype: torch.dtype, launch_unit: bool = False) -> bool:
     """A compiled decode graph's large single-row linears call the GEMV kernel instead of becoming
     Inductor's generated reductions (executor.backends.graph_passes): bf16 on a CPU without
@@ -269,9 +283,10 @@ class LinearKernel:
     3-64 rows on dot_linear (in bf16 a CPU without AMX; on its AVX2 loop 3-16 in fp32, 3-11 in bf16:
     dot_max_rows); for more rows the rows kernel on the weight as stored (rows_run_plain): on a CPU
     without AVX-512 (in fp32 up to PLAIN_MAX_ROWS_F32 rows, aten's past that), in bf16 also where
-    oneDNN would emulate it, and on an AVX512-BF16 CPU without AMX; else oneDNN in fp32 and in bf16
-    the AMX loop (2-AMX_STORED_MAX_ROWS rows, a CPU with AMX); the reference otherwise. The counts
-    are what metrics.json reports."""
+    oneDNN would emulate it, and on an AVX512-BF16 CPU without AMX; else oneDNN in fp32 (aten from
+    ATEN_MIN_ROWS_F32 rows on a CPU with AMX: aten_takes_long_prompts) and in bf16 the AMX loop
+    (2-AMX_STORED_MAX_ROWS rows, a CPU with AMX); the reference otherwise. The counts are what
+    metrics.json reports."""
 
     def __init__(self):
         self.onednn_calls = 0
@@ -279,7 +294,7 @@ class LinearKernel:
         self.dot_calls = 0
         self.rows_calls = 0
         self.amx_calls = 0
-        self.aten_calls = 0  # fp32 GEMMs past the rows kernel's rows (PLAIN_MAX_ROWS_F32)
+        self.aten_calls = 0  # fp32 GEMMs past the rows kernel's rows (PLAIN_MAX_ROWS_F32) or long prompts' (AMX)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if _large(x, weight, bias):
@@ -302,6 +317,9 @@ class LinearKernel:
                 self.rows_calls += 1
                 return torch.ops.cann_cpu.rows_linear.default(x, weight, bias)
             if weight.dtype == torch.float32 and packed_linear.supported(torch.float32):
+                if rows >= ATEN_MIN_ROWS_F32 and aten_takes_long_prompts(weight.dtype):
+                    self.aten_calls += 1
+                    return reference.linear(x, weight, bias)
                 self.onednn_calls += 1
                 out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), weight, bias, "none", [], "")
                 return out.view(*x.shape[:-1], weight.shape[0])
@@ -322,8 +340,9 @@ def plain_fits(weight: torch.Tensor) -> bool:
 
 def kernel_for(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> str:
     """What a run's large linears get: "gemv+dot_linear+onednn" (fp32 on an AVX-512 CPU without
-    AMX: GEMV for 1-2 rows, dot_linear for 3-64, oneDNN past that), "dot_linear+onednn" (fp32 on a
-    CPU with AMX: a single row on aten, dot_linear for 3-64), "gemv+dot_linear+rows_linear"
+    AMX: GEMV for 1-2 rows, dot_linear for 3-64, oneDNN past that), "dot_linear+onednn+aten" (fp32 on
+    a CPU with AMX: a single row on aten, dot_linear for 3-64, oneDNN up to 511, aten from
+    ATEN_MIN_ROWS_F32), "gemv+dot_linear+rows_linear"
     (fp32 on an AVX2 CPU: dot_linear for 3-16 rows, the rows kernel past that up to 1024, aten more;
     bf16 on an AVX512-BF16 CPU without AMX: dot_linear for 3-64 rows, the rows kernel's AVX-512 loop
     past that; bf16 where oneDNN would emulate it: dot_linear's AVX2 loop takes 3-11 rows, the rows
@@ -337,7 +356,7 @@ def kernel_for(model: torch.nn.Module, device: torch.device, dtype: torch.dtype)
     amx_bf16 = cpu_has_amx() and dtype == torch.bfloat16
     dot = dtype in GEMV_DTYPES and (cpu_has_avx512(dtype) or cpu_has_avx2()) and not amx_bf16
     if dot and dtype == torch.float32 and cpu_has_amx():
-        return "dot_linear+onednn"
+        return "dot_linear+onednn+aten"
     if dot and dtype == torch.float32:
         return "gemv+dot_linear+onednn" if cpu_has_avx512(dtype) else "gemv+dot_linear+rows_linear"
     if dot and cpu_has_avx512(dtype):  # bf16 on an AVX512-BF16 CPU without AMX
