@@ -6,7 +6,9 @@ for the decode step), so one eager runner serves every exe_mode. TTFT here is th
 that produces the first token's logits: ours is `ModelRunner.prefill` (embedding, every layer
 over the prompt, the lm_head on the last position only); transformers' is
 `generate(max_new_tokens=1)` with its default attention (SDPA). Each is the median of
---repeats calls after one warm-up call. The first token (argmax) of both sides is compared.
+--repeats calls after one warm-up call, the two sides called in turns (the VM's speed moves by
+tens of percent between minutes: one side's calls all after the other's read that as a speed
+difference). The first token (argmax) of both sides is compared.
 
   roofline = max(bytes / measured read bandwidth, FLOPs / measured matmul rate)
 
@@ -140,11 +142,15 @@ def main(argv=None) -> int:
             prompt = [(7 * i + 3) % arch.vocab_size for i in range(n)]
             nbytes, flops = prefill_cost(arch, dtype.itemsize, n)
             roof = max(nbytes / (read_bw * 1e9), flops / (tflops * 1e12)) * 1e3
-            result = {}
-            for name, run in sides.items():
+            for run in sides.values():
                 run(prompt)  # warm-up: allocator, oneDNN primitives
-                timed = [run(prompt) for _ in range(args.repeats)]
-                result[name] = (statistics.median(ms for ms, _ in timed), timed[0][1])
+            timed = {name: [] for name in sides}
+            for r in range(args.repeats):  # the sides in turns, so a change of the VM's speed hits both
+                for name in list(sides) if r % 2 == 0 else list(sides)[::-1]:
+                    timed[name].append(sides[name](prompt))
+            result = {}
+            for name, calls in timed.items():
+                result[name] = (statistics.median(ms for ms, _ in calls), calls[0][1])
                 print(f"  {n} tokens: {name} {result[name][0]:.1f} ms", flush=True)
             rows.append((n, roof, flops, result))
             write_json(args.json, record | {"rows": [length_record(*row) for row in rows]})
