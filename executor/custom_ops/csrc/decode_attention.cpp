@@ -263,40 +263,66 @@ constexpr int64_t kBlock = 32;  // cache slots widened to fp32 at a time (32 x 1
 // K rows and the four V rows of the same slots, into L1: the V rows, read only after every score of
 // the item, then stream alongside the K rows instead of after them. See the note above fp32_rows for
 // what it measured.
+//
+// With `pairs` (an Intel CPU) the heads go two at a time, each K row loaded once for both: one call of
+// the 0.6B shape (two heads to a kv head) from L2, with the V pass in pairs too (v_pair_bf16) and the
+// sums put back in order by vector (interleave_halves), took 0.86-0.93x the time at batch 1-64 and
+// 32-2048 valid slots, outputs bit-identical (the Intel AMX kind, one build switched at run time, 30
+// rounds in turns, 25-30 of 30 faster); over 28 layers' caches from memory the VM's noise (rounds
+// 0.78-3.4x apart) hid it: 0.96x and 0.99x (BENCHMARKS.md, "seventy-eighth pass"). Unmeasured on AMD.
 constexpr int64_t kNativeMaxD = 256;
 
 #ifdef CANN_ATTN_BF16
-CANN_ATTN_BF16_TARGET void k_scores_bf16(const uint16_t* q, int64_t ldq, int64_t G, const uint16_t* k,
-                                         int64_t stride, int64_t nb, int64_t D, float scale, float* out,
-                                         int64_t ldo, const VAhead<at::BFloat16>* ahead) {
+// NH (1 or 2) heads' scores against the K rows: the heads from `q` on (`ldq` apart), their rows of
+// `out` from there on (`ldo` apart). See k_scores_bf16.
+template <int NH>
+CANN_ATTN_BF16_TARGET inline void k_scores_heads(const uint16_t* q, int64_t ldq, const uint16_t* k, int64_t stride,
+                                                 int64_t nb, int64_t D, __m128 vscale, float* out, int64_t ldo,
+                                                 const VAhead<at::BFloat16>* ahead) {
   const int64_t C = D / 32;
-  const __m128 vscale = _mm_set1_ps(scale);
-  for (int64_t g = 0; g < G; ++g) {
-    __m512bh qv[kNativeMaxD / 32];
-    for (int64_t c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + g * ldq + 32 * c);
-    for (int64_t t = 0; t < nb; t += 4) {
-      const int64_t left = std::min<int64_t>(4, nb - t);
-      if (g == 0 && ahead != nullptr)
-        for (int64_t r = t + 4; r < std::min(t + 8, ahead->rows_left); ++r) {
-          ask_l1(k + r * stride, D * 2);
-          ask_l1(ahead->v + r * ahead->vstride, D * 2);
-        }
-      const uint16_t* rows[4];
-      for (int64_t i = 0; i < 4; ++i) rows[i] = k + (t + (i < left ? i : 0)) * stride;
-      __m512 acc[4];
-#pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) {  // a row at a time: the loads go in address order (see above)
-        acc[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(rows[i]), qv[0]);
-        for (int64_t c = 1; c < C; ++c)
-          acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(rows[i] + 32 * c), qv[c]);
+  __m512bh qv[NH][kNativeMaxD / 32];
+  for (int h = 0; h < NH; ++h)
+    for (int64_t c = 0; c < C; ++c) qv[h][c] = (__m512bh)_mm512_loadu_si512(q + h * ldq + 32 * c);
+  for (int64_t t = 0; t < nb; t += 4) {
+    const int64_t left = std::min<int64_t>(4, nb - t);
+    if (ahead != nullptr)
+      for (int64_t r = t + 4; r < std::min(t + 8, ahead->rows_left); ++r) {
+        ask_l1(k + r * stride, D * 2);
+        ask_l1(ahead->v + r * ahead->vstride, D * 2);
       }
-      const __mmask8 keep = static_cast<__mmask8>((1u << left) - 1);
-      _mm_mask_storeu_ps(out + g * ldo + t, keep, _mm_mul_ps(cann::sums_of_4(acc), vscale));
+    const uint16_t* rows[4];
+    for (int64_t i = 0; i < 4; ++i) rows[i] = k + (t + (i < left ? i : 0)) * stride;
+    __m512 acc[NH][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {  // a row at a time: the loads go in address order (see above)
+      const __m512bh x = (__m512bh)_mm512_loadu_si512(rows[i]);
+#pragma GCC unroll 2
+      for (int h = 0; h < NH; ++h) acc[h][i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), x, qv[h][0]);
+      for (int64_t c = 1; c < C; ++c) {
+        const __m512bh y = (__m512bh)_mm512_loadu_si512(rows[i] + 32 * c);
+#pragma GCC unroll 2
+        for (int h = 0; h < NH; ++h) acc[h][i] = _mm512_dpbf16_ps(acc[h][i], y, qv[h][c]);
+      }
     }
+    const __mmask8 keep = static_cast<__mmask8>((1u << left) - 1);
+#pragma GCC unroll 2
+    for (int h = 0; h < NH; ++h)
+      _mm_mask_storeu_ps(out + h * ldo + t, keep, _mm_mul_ps(cann::sums_of_4(acc[h]), vscale));
   }
 }
 
-// The bf16 V pass for a pair of query heads (where k_scores_bf16 runs, G >= 4, D <= 128): acc_g
+CANN_ATTN_BF16_TARGET void k_scores_bf16(const uint16_t* q, int64_t ldq, int64_t G, const uint16_t* k,
+                                         int64_t stride, int64_t nb, int64_t D, float scale, float* out,
+                                         int64_t ldo, const VAhead<at::BFloat16>* ahead, bool pairs) {
+  const __m128 vscale = _mm_set1_ps(scale);
+  int64_t g = 0;
+  for (; pairs && g + 2 <= G; g += 2)
+    k_scores_heads<2>(q + g * ldq, ldq, k, stride, nb, D, vscale, out + g * ldo, ldo, g == 0 ? ahead : nullptr);
+  for (; g < G; ++g)
+    k_scores_heads<1>(q + g * ldq, ldq, k, stride, nb, D, vscale, out + g * ldo, ldo, g == 0 ? ahead : nullptr);
+}
+
+// The bf16 V pass for a pair of query heads (where k_scores_bf16 runs, G >= 4 or on Intel 2, D <= 128): acc_g
 // (a row of `lda` floats per head, the even values' sums in [0, D/2), the odd values' in [D/2, D), as
 // accumulate_bf16 keeps them) += p_g[t] * v_t over the unmasked t < nb, g = 0, 1. All C = D / 32 of a
 // V row's vectors and both heads' sums stay in registers (4C accumulators), so each V row is loaded
@@ -304,7 +330,8 @@ CANN_ATTN_BF16_TARGET void k_scores_bf16(const uint16_t* q, int64_t ldq, int64_t
 // time, 7 rounds in random order), with the scores above: Qwen3-8B-shaped heads (four to a kv head)
 // took 0.92-0.96x the time of the scores change alone at 2048-8192 slots, and seven heads (Qwen2.5-7B;
 // three pairs and the last head alone) 0.93-0.96x. With two heads to a kv head (the 0.6B shape) it
-// read 0.99-1.04x, so G = 2 keeps the loop per head (BENCHMARKS.md, "sixty-fifth pass").
+// read 0.99-1.04x, so G = 2 keeps the loop per head there (BENCHMARKS.md, "sixty-fifth pass"); an
+// Intel CPU takes pairs from G = 2 (k_scores_bf16's note).
 template <int C>
 CANN_ATTN_BF16_TARGET void v_pair_bf16(const float* p, int64_t ldp, const uint16_t* v, int64_t stride,
                                        const bool* m, int64_t ms, int64_t nb, int64_t D, float* acc, int64_t lda) {
@@ -338,6 +365,19 @@ CANN_ATTN_BF16_TARGET void v_pair_bf16(const float* p, int64_t ldp, const uint16
     }
 }
 
+// The sums in accumulate_bf16's order (the even values' in [0, D/2), the odd values' in [D/2, D))
+// back in the values' order, into dst; D a multiple of 32. Two permutes per 32 values, where the
+// scalar loop (kept for the AVX2 and plain builds) moves one value at a time.
+CANN_ATTN_BF16_TARGET void interleave_halves(const float* src, int64_t D, float* dst) {
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+  for (int64_t j = 0; j < D / 2; j += 16) {
+    const __m512 even = _mm512_loadu_ps(src + j), odd = _mm512_loadu_ps(src + D / 2 + j);
+    _mm512_storeu_ps(dst + 2 * j, _mm512_permutex2var_ps(even, lo, odd));
+    _mm512_storeu_ps(dst + 2 * j + 16, _mm512_permutex2var_ps(even, hi, odd));
+  }
+}
+
 using VPairFn = void (*)(const float*, int64_t, const uint16_t*, int64_t, const bool*, int64_t, int64_t, int64_t,
                          float*, int64_t);
 constexpr VPairFn kVPairs[4] = {v_pair_bf16<1>, v_pair_bf16<2>, v_pair_bf16<3>, v_pair_bf16<4>};
@@ -358,7 +398,7 @@ bool native_bf16_scores() {
 // of bf16 at head_dim 128): the V rows asked for during the score pass must still be in L2 when
 // the V pass reads them.
 constexpr int64_t kAheadMaxV = 256 * 1024;
-bool kv_ahead() {
+bool intel_cpu() {
 #ifdef CANN_ATTN_BF16
   static const bool intel = __builtin_cpu_is("intel");
   return intel;
@@ -366,6 +406,7 @@ bool kv_ahead() {
   return false;
 #endif
 }
+bool kv_ahead() { return intel_cpu(); }
 
 // No software prefetch on AMD, nor for rows widened first (fp16, bf16 without AVX512-BF16): the
 // loops read their rows in address order and the hardware prefetcher follows. Two look-aheads that
@@ -453,7 +494,10 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
     constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
     const bool split = kBf16 && D % (2 * kL) == 0;  // K read in place by dots_bf16
     const bool native = kBf16 && D % 32 == 0 && D <= kNativeMaxD && native_bf16_scores();
-    [[maybe_unused]] const bool pairs = native && G >= 4 && D <= 128;  // v_pair_bf16
+    // heads two at a time (k_scores_bf16's note): both passes from two heads to a kv head on an Intel
+    // CPU, elsewhere the V pass only, from four (v_pair_bf16 takes D <= 128)
+    const bool pair_scores = native && intel_cpu();
+    [[maybe_unused]] const bool pairs = native && G >= (pair_scores ? 2 : 4) && D <= 128;
     // the look-ahead of k_scores_bf16 or of dots on fp32 rows read in place (kv_ahead), for items
     // whose V rows come to at most kAheadMaxV bytes
     const bool ahead = (native || std::is_same_v<scalar_t, float>) && kv_ahead();
@@ -486,7 +530,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
           if (native) {  // a masked slot's row may hold anything here: its score is set to -inf below
             k_scores_bf16(reinterpret_cast<const uint16_t*>(qp + ((b * Hq + h * G) * S + s) * D), S * D, G,
                           reinterpret_cast<const uint16_t*>(kr + t0 * ks2), ks2, nb, D, fscale, scores.data() + t0, n,
-                          look ? &v_ahead : nullptr);
+                          look ? &v_ahead : nullptr, pair_scores);
           } else
 #endif
           if (split) {  // a masked slot's row may hold anything here: its score is set to -inf below
@@ -561,12 +605,18 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       }
       for (int64_t g = 0; g < G; ++g) {
         float* ag = acc.data() + g * Dv;
+        const float* sums = ag;
         if (split) {  // back to the values' order
-          std::copy(ag, ag + D, rows.data());
-          for (int64_t j = 0; j < D / 2; ++j) ag[2 * j] = rows[j], ag[2 * j + 1] = rows[D / 2 + j];
+          sums = rows.data();
+#ifdef CANN_ATTN_BF16
+          if (native)
+            interleave_halves(ag, D, rows.data());
+          else
+#endif
+            for (int64_t j = 0; j < D / 2; ++j) rows[2 * j] = ag[j], rows[2 * j + 1] = ag[D / 2 + j];
         }
         const Vec vinv(inv[g]);
-        for (int64_t d = 0; d < Dv; d += kL) (Vec::loadu(ag + d) * vinv).store(ag + d);
+        for (int64_t d = 0; d < Dv; d += kL) (Vec::loadu(sums + d) * vinv).store(ag + d);
         scalar_t* og = o0 + g * S * D;
         if constexpr (std::is_same_v<scalar_t, float>) {
           std::memcpy(og, ag, D * sizeof(float));
