@@ -401,7 +401,7 @@ struct Item {
 // wide loop; kept, 3.0% (BENCHMARKS.md, "seventy-eighth pass").
 template <typename E>
 struct Scratch {
-  std::vector<E> q, p;                                            // the item's query rows; probabilities
+  std::vector<E> q, p;  // the item's query rows; its probabilities
   std::vector<float> scores, out, row_max, row_sum, alpha;
 };
 
