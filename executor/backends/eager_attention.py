@@ -15,9 +15,10 @@ ran one 0.6B layer in 0.71x / 0.54x / 0.79x SDPA's time at 128 / 512 / 2048 toke
 prefill took 0.92x / 0.93x the time at 512 / 2048 (level at 128; "sixty-ninth pass").
 
 Why a wide fp32 loop on a CPU with AMX (AVX-512F, 6 x 64 tiles as the bf16 loop's; `wide_f32`): there
-SDPA ran the fp32 0.6B layer at 80-200 GFLOP/s and the AVX2 loop at 1.04x / 0.81x / 1.22x its time
-at 128 / 512 / 2048 tokens, where the CPU's fp32 GEMMs run ~400; the wide loop ran it in 0.81-0.86x /
-0.56-0.58x / 0.81-0.83x SDPA's time (BENCHMARKS.md, "seventy-eighth pass"). Zen 4 keeps the AVX2
+SDPA ran the fp32 0.6B layer at 80-206 GFLOP/s and the AVX2 loop in 0.99-1.04x / 0.79-0.83x /
+1.19-1.25x its time at 128 / 512 / 2048 tokens, where the CPU's fp32 GEMMs run ~360-400; the wide
+loop ran it in 0.81-0.86x / 0.53-0.58x / 0.78-0.83x SDPA's time, and the fp32 prefill in 0.997x /
+0.961x / 0.957x (BENCHMARKS.md, "seventy-eighth pass"). Zen 4 keeps the AVX2
 loop (measured there; the wide one is not), and in bf16 a CPU with AMX keeps SDPA, which won there.
 
 Only the plain causal case goes through here: `AttentionKernel.attention`, installed over the op
