@@ -8,12 +8,17 @@ position a 16k-slot cache should cost what a 2k-slot one does (target: within 1.
 Tables (CPU: portable measurements, not Ascend results):
 - op: one attention call of a Qwen3-8B layer (32 query / 8 kv heads, head_dim 128, batch 1) at
   position --position, for cache lengths --lengths; masked reference (eager) vs the custom op;
-- stream (--stream): the custom op over 28 layers' caches of the Qwen3-8B layer's heads, every slot
-  valid (position + 1 of them), batch --batch, in both dtypes: each pass reads every layer's K and
-  V once, from memory (the op table's single layer stays in the L3), and the table gives the KV
-  bytes over the time as GB/s and as a share of an fp32 sum's rate read between passes. On Zen 4
-  the op read 17.6 GB/s at 8192 slots until its loops read rows in address order, 30-35 GB/s
-  since (BENCHMARKS.md, "sixty-sixth pass"); at 8k cached tokens that is a large part of a step;
+- stream (--stream): the custom op over 28 layers' caches of the Qwen3-8B layer's heads, batch
+  --batch, in both dtypes: position + 1 valid slots of a cache of the first --lengths slots, placed
+  as the runner places its cache (executor/kv_cache.py: on 2 MiB pages, each row's valid slots
+  followed by the rest of its max_len). Each pass reads every layer's valid K and V once, from memory
+  (the op table's single layer stays in the L3), and the table gives those bytes over the time as
+  GB/s and as a share of an fp32 sum's rate read between passes. On Zen 4 the op read 17.6 GB/s at
+  8192 slots until its loops read rows in address order, 30-35 GB/s since (BENCHMARKS.md,
+  "sixty-sixth pass"); at 8k cached tokens that is a large part of a step. Until the seventy-eighth
+  pass the caches here held exactly position + 1 slots on 4 KiB pages: the rows' K and V back to
+  back, which the op read 1.1-1.45x faster than with a runner's gaps, and 4 KiB pages 1.1-1.2x
+  slower than 2 MiB ones (the Intel AMX kind, batch 16, 32 valid slots);
 - step: the whole decode step of a recipe (--size, random weights) at that position, per
   exe_mode, with and without the custom op. The cache is filled with random values instead of
   running a --position-token prefill (the step's cost does not depend on the values); each row's
@@ -32,6 +37,7 @@ round near 83 ms (BENCHMARKS.md, "seventy-third pass").
   python benchmarks/attention_bench.py
   python benchmarks/attention_bench.py --size bench-overhead --lengths 2048,16384 --modes ge_graph,decoder --threads 1
   python benchmarks/attention_bench.py --stream --position 8191 --lengths 8192 --no-op-table --modes ''
+  python benchmarks/attention_bench.py --stream --position 31 --lengths 96 --batch 16 --no-op-table --modes ''
   python benchmarks/attention_bench.py --size qwen3-0.6b --batch 4 --dtype bfloat16 --lengths 256,1024 \
       --position 255 --modes ge_graph --no-op-table
   # target 3 at the 0.6B shape, one mode per run (with two, the memory pre-flight refused it on a 24 GiB host):
@@ -52,7 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cli import guarded, int_list, json_path, name_list, paired, round_ratios, write_json  # noqa: E402
-from executor import custom_ops  # noqa: E402
+from executor import custom_ops, huge_pages  # noqa: E402
 from executor.arch import named_size  # noqa: E402
 from executor.config import load_config  # noqa: E402
 from executor.ops import reference  # noqa: E402
@@ -114,25 +120,34 @@ def op_table(lengths: list[int], position: int, dtype: torch.dtype, rounds: int)
 STREAM_LAYERS = 28  # a Qwen3-0.6B/8B-deep stack: 28 layers' caches are far larger than the L3
 
 
-def stream_table(position: int, batch: int, rounds: int) -> list[tuple]:
+def placed_cache(shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    """A layer's K or V cache of random values, placed as the runner places its cache (kv_cache.py)."""
+    cache, _ = huge_pages.zeros(shape, dtype)
+    return cache.copy_(torch.randn(shape, generator=g).to(dtype))
+
+
+def stream_table(position: int, batch: int, rounds: int, slots: int) -> list[tuple]:
     """(dtype, KV MB a pass, ms a pass, GB/s, share of the sum's rate) for the custom op over
-    STREAM_LAYERS layers' caches, every slot valid: the best pass of `rounds`, and the median of
-    the fp32 sum's rates read right before each pass (the VM's rate moves between minutes)."""
+    STREAM_LAYERS layers' caches of `slots` slots, position + 1 of them valid (the MB and GB/s count
+    those): the best pass of `rounds`, and the median of the fp32 sum's rates read right before each
+    pass (the VM's rate moves between minutes)."""
     from benchmarks.decode_bench import read_bandwidth_gbs  # here: only --stream reads the bandwidth
 
     custom_ops.cpu_kernel(custom_ops.load("decode_attention"))
-    platform, g, t = detect("cpu"), torch.Generator().manual_seed(0), position + 1
+    platform, g, valid = detect("cpu"), torch.Generator().manual_seed(0), position + 1
+    d, hkv = OP_SHAPE["d"], OP_SHAPE["hkv"]
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         layers = [
-            tuple(
-                torch.randn(batch, h, s, OP_SHAPE["d"], generator=g).to(dtype)
-                for h, s in ((OP_SHAPE["hq"], 1), (OP_SHAPE["hkv"], t), (OP_SHAPE["hkv"], t))
+            (
+                torch.randn(batch, OP_SHAPE["hq"], 1, d, generator=g).to(dtype),
+                placed_cache((batch, hkv, slots, d), dtype, g),
+                placed_cache((batch, hkv, slots, d), dtype, g),
             )
             for _ in range(STREAM_LAYERS)
         ]
-        mask = torch.zeros(batch, 1, 1, t, dtype=torch.bool)
-        nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for _, k, v in layers)
+        mask = (torch.arange(slots) >= valid).view(1, 1, 1, slots).expand(batch, 1, 1, slots)
+        nbytes = STREAM_LAYERS * 2 * batch * hkv * valid * d * dtype.itemsize
         passes, rates = [], []
         for r in range(rounds + 1):  # the first pass warms up (builds nothing: the kernel is loaded)
             rate = read_bandwidth_gbs(platform)
@@ -228,11 +243,12 @@ def main(argv=None) -> int:
     if args.stream:
         print(
             f"\n## stream: decode_attention over {STREAM_LAYERS} layers' caches (32/8 heads, D 128), "
-            f"batch {args.batch}, {args.position + 1} valid slots, best of {args.rounds} passes"
+            f"batch {args.batch}, {args.position + 1} valid slots of {lengths[0]}, on 2 MiB pages where the "
+            f"process has them, best of {args.rounds} passes"
         )
         print("| dtype | KV MB a pass | ms a pass | KV GB/s | x the fp32 sum's rate |")
         print("|---|---|---|---|---|")
-        for dtype, mb, ms, gbs, share in stream_table(args.position, args.batch, args.rounds):
+        for dtype, mb, ms, gbs, share in stream_table(args.position, args.batch, args.rounds, lengths[0]):
             print(f"| {dtype} | {mb:.1f} | {ms:.3f} | {gbs:.1f} | {share:.2f} |", flush=True)
     if not args.modes:
         return 0

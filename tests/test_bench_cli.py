@@ -147,16 +147,18 @@ def test_a_benchmark_without_transformers_says_how_to_install_it(script):
     assert err[-1].startswith("error: this benchmark needs transformers (") and "pip install -e '.[test]'" in err[-1]
 
 
-def test_attention_bench_stream_reads_every_layers_cache_in_both_dtypes(capsys):
+@pytest.mark.parametrize("position, slots", [(63, 64), (31, 96)])  # every slot valid; a third of them
+def test_attention_bench_stream_reads_every_layers_cache_in_both_dtypes(capsys, position, slots):
     """--stream alone (no step table): a row per dtype whose KV bytes are the 28 layers' K and V at the
-    valid slots, so its GB/s is over what the op must read."""
-    assert (
-        attention_bench.main(["--stream", "--position", "63", "--lengths", "64", "--no-op-table", "--modes", ""]) == 0
-    )
-    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    valid slots of a cache of --lengths slots, so its GB/s is over what the op must read."""
+    argv = ["--stream", "--position", str(position), "--lengths", str(slots), "--no-op-table", "--modes", ""]
+    assert attention_bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"{position + 1} valid slots of {slots}" in out
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")]
     table = {r[0].strip(): [float(x) for x in r[1:]] for r in rows if r[0].strip() in ("float32", "bfloat16")}
     kv_mb = {
-        d: attention_bench.STREAM_LAYERS * 2 * 8 * 64 * 128 * size / 1e6
+        d: attention_bench.STREAM_LAYERS * 2 * 8 * (position + 1) * 128 * size / 1e6
         for d, size in (("float32", 4), ("bfloat16", 2))
     }
     assert set(table) == {"float32", "bfloat16"}
