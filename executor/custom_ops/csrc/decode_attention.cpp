@@ -110,11 +110,17 @@ inline void ask_l1(const void* p, int64_t bytes) {
 }
 
 // The V rows that a look-ahead over K rows asks for as well: rows `vstride` apart, none at or past
-// `rows_left` (counted from the first K row passed).
+// `rows_left` (counted from the first K row passed). Past them, k_scores_bf16 asks for the first rows
+// of the thread's next work item (`next_rows` valid ones of K and V, rows `next_ks` / `next_vs` apart)
+// where `next_k` is set: an item's rows end in a gap of the cache (its max_len), so a stream that
+// starts cold at every item costs most at a few dozen valid slots (k_scores_bf16's note).
 template <typename T>
 struct VAhead {
   const T* v;
   int64_t vstride, rows_left;
+  const T* next_k = nullptr;
+  const T* next_v = nullptr;
+  int64_t next_ks = 0, next_vs = 0, next_rows = 0;
 };
 
 template <bool kHeld>
@@ -262,7 +268,12 @@ constexpr int64_t kBlock = 32;  // cache slots widened to fp32 at a time (32 x 1
 // With `ahead` (on an Intel CPU: kv_ahead) the first head's pass also asks for the next group's four
 // K rows and the four V rows of the same slots, into L1: the V rows, read only after every score of
 // the item, then stream alongside the K rows instead of after them. See the note above fp32_rows for
-// what it measured.
+// what it measured. Past the item's last rows it goes on into the next item's first four (VAhead):
+// over 28 layers' caches placed as a runner's (2 MiB pages, max_len slots, the valid ones first),
+// from memory, a call took 0.91x the time at batch 16 and 32 of 96 slots (two and four heads to a kv
+// head, 13 of 15 rounds faster), 0.93x at batch 64 and 41 of 64, 0.98x with no gap (32 of 32),
+// level at 151 of 256 and 301 of 512; the decode steps read level (0.98-1.00x at batch 4 and 16,
+// 9 rounds; BENCHMARKS.md, "seventy-eighth pass").
 //
 // With `pairs` (an Intel CPU) the heads go two at a time, each K row loaded once for both: one call of
 // the 0.6B shape (two heads to a kv head) from L2, with the V pass in pairs too (v_pair_bf16) and the
@@ -286,9 +297,14 @@ CANN_ATTN_BF16_TARGET inline void k_scores_heads(const uint16_t* q, int64_t ldq,
   for (int64_t t = 0; t < nb; t += 4) {
     const int64_t left = std::min<int64_t>(4, nb - t);
     if (ahead != nullptr)
-      for (int64_t r = t + 4; r < std::min(t + 8, ahead->rows_left); ++r) {
-        ask_l1(k + r * stride, D * 2);
-        ask_l1(ahead->v + r * ahead->vstride, D * 2);
+      for (int64_t r = t + 4; r < t + 8; ++r) {
+        if (r < ahead->rows_left) {
+          ask_l1(k + r * stride, D * 2);
+          ask_l1(ahead->v + r * ahead->vstride, D * 2);
+        } else if (ahead->next_k != nullptr && r - ahead->rows_left < ahead->next_rows) {
+          ask_l1(ahead->next_k + (r - ahead->rows_left) * ahead->next_ks, D * 2);
+          ask_l1(ahead->next_v + (r - ahead->rows_left) * ahead->next_vs, D * 2);
+        }
       }
     const uint16_t* rows[4];
     for (int64_t i = 0; i < 4; ++i) rows[i] = k + (t + (i < left ? i : 0)) * stride;
@@ -524,7 +540,13 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       const bool look = ahead && n * D * static_cast<int64_t>(sizeof(scalar_t)) <= kAheadMaxV;
       for (int64_t t0 = 0; t0 < n; t0 += kBlock) {  // scores of a block of slots, all G rows
         const int64_t nb = std::min(kBlock, n - t0);
-        const VAhead<scalar_t> v_ahead{vr + t0 * vs2, vs2, n - t0};
+        VAhead<scalar_t> v_ahead{vr + t0 * vs2, vs2, n - t0};
+        if (native && t0 + kBlock >= n && item + 1 < end) {  // the last block: on into the next item's rows
+          const int64_t s1 = (item + 1) % S, h1 = ((item + 1) / S) % Hkv, b1 = (item + 1) / (S * Hkv);
+          v_ahead.next_k = kp + b1 * ks0 + h1 * ks1;
+          v_ahead.next_v = vp + b1 * vs0 + h1 * vs1;
+          v_ahead.next_ks = ks2, v_ahead.next_vs = vs2, v_ahead.next_rows = last[b1 * S + s1] + 1;
+        }
         if constexpr (kBf16) {
 #ifdef CANN_ATTN_BF16
           if (native) {  // a masked slot's row may hold anything here: its score is set to -inf below
