@@ -541,7 +541,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       for (int64_t t0 = 0; t0 < n; t0 += kBlock) {  // scores of a block of slots, all G rows
         const int64_t nb = std::min(kBlock, n - t0);
         VAhead<scalar_t> v_ahead{vr + t0 * vs2, vs2, n - t0};
-        if (native && t0 + kBlock >= n && item + 1 < end) {  // the last block: on into the next item's rows
+        if (look && native && t0 + kBlock >= n && item + 1 < end) {  // last block: on into the next item
           const int64_t s1 = (item + 1) % S, h1 = ((item + 1) / S) % Hkv, b1 = (item + 1) / (S * Hkv);
           v_ahead.next_k = kp + b1 * ks0 + h1 * ks1;
           v_ahead.next_v = vp + b1 * vs0 + h1 * vs1;
