@@ -27,10 +27,11 @@
 // AMX kind its passes at 1-64 rows sit below the serial bound (stream time plus compute time), the
 // first tile streaming at ~0.77 of a plain sum's rate, and nothing overlaps the two (BENCHMARKS.md,
 // "seventy-sixth pass").
-// Asking for the next block during the later tiles read slower (0.61 / 0.44 of a sum's rate at 32 /
-// 64 rows; 0.85 against 0.95 TFLOP/s at 64 rows in a microbenchmark), as did one 16-column group at
-// a time under every tile of rows (0.48 / 0.38) and K in slices kept in L1 (BENCHMARKS.md,
-// "seventy-third" and "seventy-fourth pass").
+// There, asking for the next block during the later tiles read slower (0.61 / 0.44 of a sum's rate at
+// 32 / 64 rows; 0.85 against 0.95 TFLOP/s at 64 rows in a microbenchmark), as did one 16-column group
+// at a time under every tile of rows (0.48 / 0.38) and K in slices kept in L1 (BENCHMARKS.md,
+// "seventy-third" and "seventy-fourth pass"); on another Intel AMX kind, whose products run slower,
+// that ask is faster, and the loop makes it there only (later_tiles_ask).
 //
 // The weight as stored, (N, K), is taken as well (the eager decode step, which keeps no packed copy,
 // and a short prompt's products: eager_linear.AMX_STORED_MAX_ROWS): then the weight is the A operand,
@@ -61,6 +62,10 @@
 
 #include "amx_tiles.h"  // CANN_AMX, and the packed-weight loop (cann::amx::block)
 #include "linear_io.h"
+
+#ifdef CANN_AMX
+#include <cpuid.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -104,11 +109,36 @@ struct ThreadTiles {
   }
 };
 
+// Whether a block's later tiles of rows (reading it from L2) ask for the next block into L2 as they go,
+// each chunk its share of the lines, so the first tile of the next block finds it there. It depends on
+// the CPU, so it is asked only where it was measured faster: on the Intel AMX kind that reports family
+// 6 model 207 the loop's pass over a 768 MiB weight (K = 1024) at 32 / 64 rows took 0.88x / 0.83x
+// the time (medians of 9 rounds, arms in turns; a scratch overlap_probe) and the ge_graph bf16
+// batch-64 step 0.87x (9 rounds in turns, one process; the same tokens). There a core's AMX
+// products ran at ~0.4 or ~1.0 TFLOP/s, switching every few seconds, so at 64 rows the later tiles'
+// products outlast the block's stream, and the ask overlaps the two. On the kind that reports model
+// 167 (products ~1.6 TFLOP/s from L2) the same ask read 0.88-0.92x the rate without it
+// (BENCHMARKS.md, "seventy-third" and "eightieth pass"). The lines are shared out rounded down, so
+// no ask runs past the next block; the first tile's 4 KB look-ahead covers the few left.
+bool later_tiles_ask() {
+  static const bool ask = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__builtin_cpu_is("intel") || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
+    const unsigned family = (eax >> 8) & 0xf, model = ((eax >> 4) & 0xf) | (((eax >> 16) & 0xf) << 4);
+    return family == 6 && model == 207;
+  }();
+  return ask;
+}
+
 // Every 64-column block (in parallel) times every tile of rows: M rows split into balanced tiles of
 // at most 16 (20 rows: 10 + 10), so a thread configures its tiles at most twice per call.
 void run_blocks(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t NB, const float* bias,
                 uint16_t* y) {
   const int64_t N = NB * kCols, block = K * kCols, n_tiles = (M + kTileRows - 1) / kTileRows;
+  // with more than one tile of rows, maybe the later tiles' chunks share out the next block's lines
+  const bool l2_next = n_tiles > 1 && later_tiles_ask();
+  const int64_t chunks = K / kChunk, later_chunks = (n_tiles - 1) * chunks, block_lines = block * 2 / 64;
+  const int lines = l2_next ? static_cast<int>(block_lines / later_chunks) : 0;
   at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float c[kTileRows * kCols];
     ThreadTiles tiles{cann::amx::configure};
@@ -118,7 +148,10 @@ void run_blocks(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int6
         tiles.fit(mb);
         // the weight's last block asks for nothing ahead: its last chunk's 4 KB would run past the weight
         const bool ahead = t == 0 && (nb + 1 < NB);
-        cann::amx::block(x + m0 * K, K, K, w + nb * block, c, ahead ? kAhead : 0);
+        const char* next = nullptr;
+        if (l2_next && t > 0 && nb + 1 < NB)
+          next = reinterpret_cast<const char*>(w + (nb + 1) * block) + (t - 1) * chunks * lines * 64;
+        cann::amx::block(x + m0 * K, K, K, w + nb * block, c, ahead ? kAhead : 0, next, lines);
         store_rows(c, static_cast<int>(mb), bias ? bias + nb * kCols : nullptr, y + m0 * N + nb * kCols, N);
       }
     }

@@ -67,8 +67,10 @@ CANN_AMX_TARGET inline void release() { _tile_release(); }
 
 // The configured rows of x (row stride ldx elements, K a multiple of 32) times one packed block w
 // (K/2 pairs x 64 columns x 2), into c (rows x 64 fp32, row stride 64). `ahead` (bytes, 0: none):
-// each chunk asks for the weight that far ahead into L1.
-CANN_AMX_TARGET inline void block(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* w, float* c, int ahead) {
+// each chunk asks for the weight that far ahead into L1. `next` (null: none): each chunk asks for
+// `next_lines` lines from there on into L2 (amx_linear.cpp's later_tiles_ask says where and why).
+CANN_AMX_TARGET inline void block(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* w, float* c, int ahead,
+                                  const char* next = nullptr, int next_lines = 0) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -78,6 +80,10 @@ CANN_AMX_TARGET inline void block(const uint16_t* x, int64_t ldx, int64_t K, con
     if (ahead) {
       const char* pf = reinterpret_cast<const char*>(wk) + ahead;
       for (int line = 0; line < 64; ++line) _mm_prefetch(pf + line * 64, _MM_HINT_T0);
+    }
+    if (next) {
+      for (int line = 0; line < next_lines; ++line) _mm_prefetch(next + line * 64, _MM_HINT_T1);
+      next += next_lines * 64;
     }
     _tile_loadd(4, x + k0, ldx * 2);
     _tile_loadd(5, wk, 256);
