@@ -24,7 +24,8 @@
 // amx (a CPU with AMX-BF16, Linux): the loop is amx_linear's own (cann::amx::block, amx_tiles.h) on its
 // packed bf16 weight (blocks of 64 columns, K = 1024 as 512 k pairs; tiles of up to 16 rows), and
 // the rounds print stream, compute, pass and pass_pf, where pass_pf is the kernel's scheme: the
-// first tile of rows asks for the weight 4 KB ahead into L1 (later tiles read the block from L2).
+// first tile of rows asks for the weight 4 KB ahead into L1 (later tiles read the block from L2, and
+// on the CPUs where the kernel has them ask for the next block into L2: cann::amx::next_lines).
 // The weight sits on 2 MiB pages where Linux gives them (as the runner puts packed weights: 4 KiB
 // pages read ~0.8x as fast here). The passes' outputs are checked against a plain loop on the first
 // and last block (exit 3).
@@ -230,17 +231,22 @@ int run_fp32(long M, long mbytes, int rounds, int threads) {
 constexpr long kAmxCols = cann::amx::kCols, kAmxBlock = kK * kAmxCols;  // bf16 values a block
 
 // Every tile of M rows (balanced, at most 16) on block w into y's block (row stride ldy); with
-// `ahead`, the first tile asks for the weight 4 KB ahead (the caller says whether more weight follows).
+// `ahead` (the caller says whether more weight follows), the kernel's asks: the first tile for the
+// weight 4 KB ahead, and where the kernel makes it (cann::amx::next_lines) the later ones for the
+// next block into L2.
 void amx_tiles(const uint16_t* x, long M, const uint16_t* w, float* y, long ldy, bool ahead, int& configured) {
   alignas(64) float c[16 * kAmxCols];
-  const long n = (M + 15) / 16;
+  const long n = (M + 15) / 16, chunks = kK / cann::amx::kChunk;
+  const int lines = ahead ? cann::amx::next_lines(n) : 0;
   for (long t = 0, m0 = 0, mb = 0; t < n; ++t, m0 += mb) {
     mb = M / n + (t < M % n);
     if (mb != configured) {
       cann::amx::configure(static_cast<int>(mb));
       configured = static_cast<int>(mb);
     }
-    cann::amx::block(x + m0 * kK, kK, kK, w, c, ahead && t == 0 ? 4096 : 0);
+    const char* next = nullptr;  // the next block: the caller's weight goes on past this one when ahead
+    if (lines && t > 0) next = reinterpret_cast<const char*>(w + kAmxBlock) + (t - 1) * chunks * lines * 64;
+    cann::amx::block(x + m0 * kK, kK, kK, w, c, ahead && t == 0 ? 4096 : 0, next, lines);
     for (long m = 0; m < mb; ++m) std::memcpy(y + (m0 + m) * ldy, c + m * kAmxCols, kAmxCols * 4);
   }
 }

@@ -31,7 +31,7 @@
 // 32 / 64 rows; 0.85 against 0.95 TFLOP/s at 64 rows in a microbenchmark), as did one 16-column group
 // at a time under every tile of rows (0.48 / 0.38) and K in slices kept in L1 (BENCHMARKS.md,
 // "seventy-third" and "seventy-fourth pass"); on another Intel AMX kind, whose products run slower,
-// that ask is faster, and the loop makes it there only (later_tiles_ask).
+// that ask is faster, and the loop makes it there only (amx_tiles.h, later_tiles_ask).
 //
 // The weight as stored, (N, K), is taken as well (the eager decode step, which keeps no packed copy,
 // and a short prompt's products: eager_linear.AMX_STORED_MAX_ROWS): then the weight is the A operand,
@@ -62,10 +62,6 @@
 
 #include "amx_tiles.h"  // CANN_AMX, and the packed-weight loop (cann::amx::block)
 #include "linear_io.h"
-
-#ifdef CANN_AMX
-#include <cpuid.h>
-#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -109,36 +105,13 @@ struct ThreadTiles {
   }
 };
 
-// Whether a block's later tiles of rows (reading it from L2) ask for the next block into L2 as they go,
-// each chunk its share of the lines, so the first tile of the next block finds it there. It depends on
-// the CPU, so it is asked only where it was measured faster: on the Intel AMX kind that reports family
-// 6 model 207 the loop's pass over a 768 MiB weight (K = 1024) at 32 / 64 rows took 0.88x / 0.83x
-// the time (medians of 9 rounds, arms in turns; a scratch overlap_probe) and the ge_graph bf16
-// batch-64 step 0.87x (9 rounds in turns, one process; the same tokens). There a core's AMX
-// products ran at ~0.4 or ~1.0 TFLOP/s, switching every few seconds, so at 64 rows the later tiles'
-// products outlast the block's stream, and the ask overlaps the two. On the kind that reports model
-// 167 (products ~1.6 TFLOP/s from L2) the same ask read 0.88-0.92x the rate without it
-// (BENCHMARKS.md, "seventy-third" and "eightieth pass"). The lines are shared out rounded down, so
-// no ask runs past the next block; the first tile's 4 KB look-ahead covers the few left.
-bool later_tiles_ask() {
-  static const bool ask = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (!__builtin_cpu_is("intel") || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
-    const unsigned family = (eax >> 8) & 0xf, model = ((eax >> 4) & 0xf) | (((eax >> 16) & 0xf) << 4);
-    return family == 6 && model == 207;
-  }();
-  return ask;
-}
-
 // Every 64-column block (in parallel) times every tile of rows: M rows split into balanced tiles of
 // at most 16 (20 rows: 10 + 10), so a thread configures its tiles at most twice per call.
 void run_blocks(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t NB, const float* bias,
                 uint16_t* y) {
   const int64_t N = NB * kCols, block = K * kCols, n_tiles = (M + kTileRows - 1) / kTileRows;
-  // with more than one tile of rows, maybe the later tiles' chunks share out the next block's lines
-  const bool l2_next = n_tiles > 1 && later_tiles_ask();
-  const int64_t chunks = K / kChunk, later_chunks = (n_tiles - 1) * chunks, block_lines = block * 2 / 64;
-  const int lines = l2_next ? static_cast<int>(block_lines / later_chunks) : 0;
+  const int lines = cann::amx::next_lines(n_tiles);
+  const int64_t chunks = K / kChunk;
   at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float c[kTileRows * kCols];
     ThreadTiles tiles{cann::amx::configure};
@@ -148,8 +121,8 @@ void run_blocks(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int6
         tiles.fit(mb);
         // the weight's last block asks for nothing ahead: its last chunk's 4 KB would run past the weight
         const bool ahead = t == 0 && (nb + 1 < NB);
-        const char* next = nullptr;
-        if (l2_next && t > 0 && nb + 1 < NB)
+        const char* next = nullptr;  // the later tiles' shares of the next block, in turn
+        if (lines && t > 0 && nb + 1 < NB)
           next = reinterpret_cast<const char*>(w + (nb + 1) * block) + (t - 1) * chunks * lines * 64;
         cann::amx::block(x + m0 * K, K, K, w + nb * block, c, ahead ? kAhead : 0, next, lines);
         store_rows(c, static_cast<int>(mb), bias ? bias + nb * kCols : nullptr, y + m0 * N + nb * kCols, N);
@@ -192,11 +165,16 @@ CANN_AMX_TARGET inline void store_sums(float* c) {
 }
 
 // 64 weight rows as stored (ldw elements apart) times x^T (K/2 pairs of `rows` columns, xt) into
-// c (four 16 x 16 fp32 tiles: c[t][n][m] at t * 256 + n * 16 + m).
-CANN_AMX_TARGET void stored_block(const uint16_t* w, int64_t ldw, int64_t K, const uint32_t* xt, int rows, float* c) {
+// c (four 16 x 16 fp32 tiles: c[t][n][m] at t * 256 + n * 16 + m). Each chunk asks for the line at
+// its k of `next_rows` rows from `next` on into L2 (0: none). On the model-207 kind (amx_tiles.h,
+// later_tiles_ask) the eager bf16 batch-64 step took 0.93x the time with the ask and the 128-token
+// eager prefill 0.92x (7 rounds in turns, one process; the same tokens; "eightieth pass").
+CANN_AMX_TARGET void stored_block(const uint16_t* w, int64_t ldw, int64_t K, const uint32_t* xt, int rows, float* c,
+                                  const uint16_t* next = nullptr, int next_rows = 0) {
   zero_sums();
   const int64_t stride = ldw * 2;
   for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+    for (int r = 0; r < next_rows; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * ldw + k0), _MM_HINT_T1);
     _tile_loadd(4, xt + (k0 / 2) * rows, rows * 4);
     _tile_loadd(5, w + k0, stride);
     _tile_dpbf16ps(0, 5, 4);
@@ -267,6 +245,8 @@ void run_stored(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int6
     uint32_t* dst = xt.data() + m0 * K / 2;
     transpose_pairs(reinterpret_cast<const uint32_t*>(x + m0 * K), static_cast<int>(mb), K / 2, dst);
   }
+  // as run_blocks: where the CPU gains by it, the later tiles ask for the next block (of weight rows)
+  const int rows_asked = cann::amx::next_lines(n_tiles);
   at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float c[4 * kTileRows * kTileRows];
     ThreadTiles tiles{configure_stored};
@@ -274,8 +254,14 @@ void run_stored(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int6
       for (int64_t m0 = 0, t = 0, mb = 0; m0 < M; m0 += mb, ++t) {
         mb = M / n_tiles + (t < M % n_tiles);
         tiles.fit(mb);
-        const auto product = t == 0 ? stored_rows : stored_block;  // from memory, then from L2 (the top)
-        product(w + nb * kCols * ldw, ldw, K, xt.data() + m0 * K / 2, static_cast<int>(mb), c);
+        const uint16_t* block = w + nb * kCols * ldw;
+        if (t == 0) {
+          stored_rows(block, ldw, K, xt.data() + m0 * K / 2, static_cast<int>(mb), c);  // from memory
+        } else {  // from L2, tile t asking for its share of the next block's rows: a line of each a chunk
+          const int asked = nb + 1 < NB ? rows_asked : 0;
+          stored_block(block, ldw, K, xt.data() + m0 * K / 2, static_cast<int>(mb), c,
+                       block + (kCols + (t - 1) * asked) * ldw, asked);
+        }
         store_transposed(c, static_cast<int>(mb), bias ? bias + nb * kCols : nullptr, y + m0 * N + nb * kCols, N);
       }
     }

@@ -17,6 +17,7 @@ constexpr int64_t kTileRows = 16;  // rows of x per A tile
 
 #if defined(__x86_64__) && defined(__linux__) && \
     ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -64,6 +65,35 @@ CANN_AMX_TARGET inline void configure(int rows) {
 }
 
 CANN_AMX_TARGET inline void release() { _tile_release(); }
+
+// Whether a block's later tiles of rows (reading it from L2) ask for the next block into L2 as they go,
+// each chunk its share of the lines, so the first tile of the next block finds it there. It depends on
+// the CPU, so it is asked only where it was measured faster: on the Intel AMX kind that reports family
+// 6 model 207 the loop's pass over a 768 MiB weight (K = 1024) at 32 / 64 rows took 0.88x / 0.83x
+// the time (medians of 9 rounds, arms in turns; a scratch overlap_probe) and the ge_graph bf16
+// batch-64 step 0.87x (9 rounds in turns, one process; the same tokens). There a core's AMX
+// products ran at ~0.4 or ~1.0 TFLOP/s, switching every few seconds, so at 64 rows the later tiles'
+// products outlast the block's stream, and the ask overlaps the two. On the kind that reports model
+// 167 (products ~1.6 TFLOP/s from L2) the same ask read 0.88-0.92x the rate without it
+// (BENCHMARKS.md, "seventy-third" and "eightieth pass"). The lines are shared out rounded down, so
+// no ask runs past the next block; the first tile's 4 KB look-ahead covers the few left.
+inline bool later_tiles_ask() {
+  static const bool ask = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__builtin_cpu_is("intel") || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
+    const unsigned family = (eax >> 8) & 0xf, model = ((eax >> 4) & 0xf) | (((eax >> 16) & 0xf) << 4);
+    return family == 6 && model == 207;
+  }();
+  return ask;
+}
+
+// Lines of the next block each chunk of a later tile asks for, with `n_tiles` tiles of rows (0: no
+// ask). A block is 64 lines a chunk in either layout (packed: 32 k values x 64 columns of bf16; as
+// stored: the chunk's line of each of 64 weight rows), shared out over the tiles but the first: tile
+// t (from 1) walks its own (t - 1)-th part of the next block, next_lines a chunk.
+inline int next_lines(int64_t n_tiles) {
+  return n_tiles > 1 && later_tiles_ask() ? static_cast<int>(kCols / (n_tiles - 1)) : 0;
+}
 
 // The configured rows of x (row stride ldx elements, K a multiple of 32) times one packed block w
 // (K/2 pairs x 64 columns x 2), into c (rows x 64 fp32, row stride 64). `ahead` (bytes, 0: none):
