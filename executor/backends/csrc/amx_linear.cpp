@@ -257,7 +257,7 @@ void run_stored(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int6
         const uint16_t* block = w + nb * kCols * ldw;
         if (t == 0) {
           stored_rows(block, ldw, K, xt.data() + m0 * K / 2, static_cast<int>(mb), c);  // from memory
-        } else {  // from L2, tile t asking for its share of the next block's rows: a line of each a chunk
+        } else {  // from L2, tile t asking for its share of the next block's rows, one line of each a chunk
           const int asked = nb + 1 < NB ? rows_asked : 0;
           stored_block(block, ldw, K, xt.data() + m0 * K / 2, static_cast<int>(mb), c,
                        block + (kCols + (t - 1) * asked) * ldw, asked);

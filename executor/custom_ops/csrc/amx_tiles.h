@@ -73,9 +73,10 @@ CANN_AMX_TARGET inline void release() { _tile_release(); }
 // the time (medians of 9 rounds, arms in turns; a scratch overlap_probe) and the ge_graph bf16
 // batch-64 step 0.87x (9 rounds in turns, one process; the same tokens). There a core's AMX
 // products ran at ~0.4 or ~1.0 TFLOP/s, switching every few seconds, so at 64 rows the later tiles'
-// products outlast the block's stream, and the ask overlaps the two. On the kind that reports model
-// 167 (products ~1.6 TFLOP/s from L2) the same ask read 0.88-0.92x the rate without it
-// (BENCHMARKS.md, "seventy-third" and "eightieth pass"). The lines are shared out rounded down, so
+// products outlast the block's stream, and the ask overlaps the two; at the fast level it still took
+// 0.88x at 64 rows (level at 32). On the kind that reports model 167 (products ~1.6 TFLOP/s from L2)
+// the same ask read 0.88-0.92x the rate without it (BENCHMARKS.md, "seventy-third" and "eightieth
+// pass"). The lines are shared out rounded down, so
 // no ask runs past the next block; the first tile's 4 KB look-ahead covers the few left.
 inline bool later_tiles_ask() {
   static const bool ask = [] {
@@ -98,9 +99,9 @@ inline int next_lines(int64_t n_tiles) {
 // The configured rows of x (row stride ldx elements, K a multiple of 32) times one packed block w
 // (K/2 pairs x 64 columns x 2), into c (rows x 64 fp32, row stride 64). `ahead` (bytes, 0: none):
 // each chunk asks for the weight that far ahead into L1. `next` (null: none): each chunk asks for
-// `next_lines` lines from there on into L2 (amx_linear.cpp's later_tiles_ask says where and why).
+// `lines` lines from there on into L2 (later_tiles_ask, above, says where and why).
 CANN_AMX_TARGET inline void block(const uint16_t* x, int64_t ldx, int64_t K, const uint16_t* w, float* c, int ahead,
-                                  const char* next = nullptr, int next_lines = 0) {
+                                  const char* next = nullptr, int lines = 0) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -112,8 +113,8 @@ CANN_AMX_TARGET inline void block(const uint16_t* x, int64_t ldx, int64_t K, con
       for (int line = 0; line < 64; ++line) _mm_prefetch(pf + line * 64, _MM_HINT_T0);
     }
     if (next) {
-      for (int line = 0; line < next_lines; ++line) _mm_prefetch(next + line * 64, _MM_HINT_T1);
-      next += next_lines * 64;
+      for (int line = 0; line < lines; ++line) _mm_prefetch(next + line * 64, _MM_HINT_T1);
+      next += lines * 64;
     }
     _tile_loadd(4, x + k0, ldx * 2);
     _tile_loadd(5, wk, 256);
