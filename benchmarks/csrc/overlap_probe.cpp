@@ -236,7 +236,7 @@ constexpr long kAmxCols = cann::amx::kCols, kAmxBlock = kK * kAmxCols;  // bf16 
 // next block into L2.
 void amx_tiles(const uint16_t* x, long M, const uint16_t* w, float* y, long ldy, bool ahead, int& configured) {
   alignas(64) float c[16 * kAmxCols];
-  const long n = (M + 15) / 16, chunks = kK / cann::amx::kChunk;
+  const long n = (M + 15) / 16;
   const int lines = ahead ? cann::amx::next_lines(n) : 0;
   for (long t = 0, m0 = 0, mb = 0; t < n; ++t, m0 += mb) {
     mb = M / n + (t < M % n);
@@ -244,8 +244,7 @@ void amx_tiles(const uint16_t* x, long M, const uint16_t* w, float* y, long ldy,
       cann::amx::configure(static_cast<int>(mb));
       configured = static_cast<int>(mb);
     }
-    const char* next = nullptr;  // the next block: the caller's weight goes on past this one when ahead
-    if (lines && t > 0) next = reinterpret_cast<const char*>(w + kAmxBlock) + (t - 1) * chunks * lines * 64;
+    const char* next = cann::amx::next_share(w + kAmxBlock, t, kK, lines);  // with `ahead`, more weight follows
     cann::amx::block(x + m0 * kK, kK, kK, w, c, ahead && t == 0 ? 4096 : 0, next, lines);
     for (long m = 0; m < mb; ++m) std::memcpy(y + (m0 + m) * ldy, c + m * kAmxCols, kAmxCols * 4);
   }

@@ -111,7 +111,6 @@ void run_blocks(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int6
                 uint16_t* y) {
   const int64_t N = NB * kCols, block = K * kCols, n_tiles = (M + kTileRows - 1) / kTileRows;
   const int lines = cann::amx::next_lines(n_tiles);
-  const int64_t chunks = K / kChunk;
   at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float c[kTileRows * kCols];
     ThreadTiles tiles{cann::amx::configure};
@@ -121,9 +120,7 @@ void run_blocks(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int6
         tiles.fit(mb);
         // the weight's last block asks for nothing ahead: its last chunk's 4 KB would run past the weight
         const bool ahead = t == 0 && (nb + 1 < NB);
-        const char* next = nullptr;  // the later tiles' shares of the next block, in turn
-        if (lines && t > 0 && nb + 1 < NB)
-          next = reinterpret_cast<const char*>(w + (nb + 1) * block) + (t - 1) * chunks * lines * 64;
+        const char* next = cann::amx::next_share(nb + 1 < NB ? w + (nb + 1) * block : nullptr, t, K, lines);
         cann::amx::block(x + m0 * K, K, K, w + nb * block, c, ahead ? kAhead : 0, next, lines);
         store_rows(c, static_cast<int>(mb), bias ? bias + nb * kCols : nullptr, y + m0 * N + nb * kCols, N);
       }

@@ -96,6 +96,13 @@ inline int next_lines(int64_t n_tiles) {
   return n_tiles > 1 && later_tiles_ask() ? static_cast<int>(kCols / (n_tiles - 1)) : 0;
 }
 
+// Where tile t of rows starts asking in the next packed block (`next`: null where no block follows),
+// `lines` a chunk over K values: null for the first tile, or where nothing is asked.
+inline const char* next_share(const uint16_t* next, int64_t t, int64_t K, int lines) {
+  if (!next || !lines || t == 0) return nullptr;
+  return reinterpret_cast<const char*>(next) + (t - 1) * (K / kChunk) * lines * 64;
+}
+
 // The configured rows of x (row stride ldx elements, K a multiple of 32) times one packed block w
 // (K/2 pairs x 64 columns x 2), into c (rows x 64 fp32, row stride 64). `ahead` (bytes, 0: none):
 // each chunk asks for the weight that far ahead into L1. `next` (null: none): each chunk asks for
