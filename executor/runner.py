@@ -299,7 +299,8 @@ class ModelRunner:
         b = len(prompt_ids)
         with self.session(b):
             width = max(len(p) for p in all_rows)
-            pre = self.prefill(prompt_ids, width=width)
+            with self.threads.prefilling():  # on the count decode chose: fewer threads on a busy host
+                pre = self.prefill(prompt_ids, width=width)
             self.check_finite(
                 pre.logits,
                 "prefill",

@@ -24,6 +24,14 @@ keeps a burst of one or two steps out: on an idle VM two steps once waited 4 and
 host's own kernel work ran (BENCHMARKS.md, "forty-third pass"), which passed the average over three
 steps and cost a 3-step try on one thread; a neighbour that matters makes every step wait.
 
+One step can be enough: a step that waited a quarter of its time or more and took STALL (4) times
+the median of its count's recent calm steps is a stall, and the next lower count is tried from the
+next step, past the window and the back-off; it also backs off the next try at more threads, as a lost
+try would. Next to a late neighbour, the 2-core VM's 0.6B steps on 2 threads went from ~67 ms to
+~2.85 s each, in runs of 5-7 steps (every parallel region waited ~7.7 ms for a core), which the window
+let pass (BENCHMARKS.md, "eighty-first pass"). The prefill runs at the count decode chose
+(`prefilling`): it is eager, and it stalled the same way.
+
 What a try costs depends on the step. An eager step, and a large model's compiled step (its kernels
 read the count when they run and Dynamo does not guard it: executor.backends.inductor.CPU_KERNELS),
 run at a new count as they are. A small model's compiled step has the count compiled in and Dynamo
@@ -78,6 +86,10 @@ CLEAR = 0.01  # waiting share under which the host counts as free again
 KEEP_FEWER = 1.05  # fewer threads are kept unless more than 5% slower: they leave cores to the neighbour
 KEEP_MORE = 0.9  # more threads are kept only if at least 10% faster
 GIVE_UP = 2.0  # a try at more threads ends at its first step this much slower (a step can take 600x)
+# A step this many times the median of the count's recent calm steps (waiting under CONTENDED), that
+# waited HEAVY or more, is a stall: the next lower count is tried from the next step, with no window
+# of busy steps first and no back-off from earlier tries (ThreadGovernor.observe says why).
+STALL = 4.0
 FIRST_WAIT = {"down": 3, "up": 8}  # steps between tries in each direction, doubled after each lost try ...
 LAST_WAIT = 1024  # ... up to this
 BUSY_UP = 8  # while the waiting lasts, tries at more threads wait this many times longer
@@ -130,6 +142,7 @@ class ThreadGovernor:
         # logged once: tries held back (key, count) or not made (key, count, steps), a tiny step (key, "pinned")
         self.held: set = set()
         self.running = self.full  # the count the governor last set
+        self.calm: dict = {}  # (step key, thread count) -> its last WINDOW calm steps' times (ms)
         self.clock: RunQueueClock | None = None
         self._new_call(key=None)
 
@@ -206,6 +219,23 @@ class ThreadGovernor:
             if self.enabled:
                 self.set_threads(before)
 
+    @contextlib.contextmanager
+    def prefilling(self) -> Iterator[None]:
+        """A generate call's prefill, at the count decode chose while that is fewer than all: the
+        prefill is eager (it runs at any count as it is), and its parallel regions stall on a busy
+        host as the decode step's do. Next to a late neighbour, with decode on one thread, the 0.6B
+        prefill on two threads took ~2.9 s in about one call of three instead of ~0.2 s (BENCHMARKS.md,
+        "eighty-first pass"). The process's count is restored on exit."""
+        before = torch.get_num_threads()
+        fewer = self.enabled and self.level > 0
+        if fewer:
+            self.set_threads(self.levels[self.level])
+        try:
+            yield
+        finally:
+            if fewer:
+                self.set_threads(before)
+
     def observe(self, ms: float, wait_ms: float) -> bool:
         """The step just run took `ms`; its threads spent `wait_ms` (summed) waiting for a core.
         Returns False when that step compiled the step for a thread count (not a sample of the
@@ -225,10 +255,22 @@ class ThreadGovernor:
                 )
             return False
         self.since, self.since_ms, self.since_wait_ms = self.since + 1, self.since_ms + ms, self.since_wait_ms + wait_ms
+        stalled = self._stalled(ms, wait_ms)
         if self.trying is not None:
             self._judge(ms, step)
             return True
         self.window = [*self.window[-(WINDOW - 1) :], (ms, wait_ms)]
+        # A stall is tried at once: with a late neighbour on the 2-core VM, runs of 5-7 consecutive
+        # 0.6B steps on 2 threads took 2.8-2.9 s each (~42x their calm 67 ms; every parallel region
+        # waited ~7.7 ms for a core), and the window, the busy steps and the back-off of earlier
+        # tries let 7 of them pass before one thread ran (BENCHMARKS.md, "eighty-first pass").
+        if stalled and self.level + 1 < len(self.levels) and self._worth(step, heavy=True):
+            # and it counts against more threads as a lost try would: a try up under this load won
+            # (2 threads ran 74-88 ms against 133-137 at 1) and stalled a few steps later
+            self.lost_ms["up"] = max(self.lost_ms["up"], ms - statistics.median(self.calm[(self.key, self.running)]))
+            self.wait_for["up"] = min(self.wait_for["up"] * 2, LAST_WAIT)
+            self._try(self.level + 1)
+            return True
         if len(self.window) < PROBE:
             return True
         waited = sum(w for _, w in self.window)
@@ -241,6 +283,15 @@ class ThreadGovernor:
         elif self.level > 0 and self._may("up", busy=share >= CLEAR):
             self._try(self.level - 1)
         return True
+
+    def _stalled(self, ms: float, wait_ms: float) -> bool:
+        """Whether this step, at the running count, is a stall (STALL); a calm step is remembered as
+        the count's measure. A count with fewer than PROBE calm steps has no measure yet."""
+        calm = self.calm.setdefault((self.key, self.running), [])
+        if wait_ms < CONTENDED * ms:
+            calm[:] = [*calm[-(WINDOW - 1) :], ms]
+            return False
+        return len(calm) >= PROBE and wait_ms >= HEAVY * ms and ms >= STALL * statistics.median(calm)
 
     def _may(self, way: str, busy: bool = False) -> bool:
         steps = self.wait_for[way] * (BUSY_UP if busy else 1)

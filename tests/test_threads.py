@@ -190,6 +190,57 @@ def test_a_try_at_more_threads_under_load_ends_at_its_first_slow_step(governor):
     assert not governor._may("up", busy=True)
 
 
+def test_a_stall_is_tried_at_once_whatever_the_window_and_the_back_off_say(governor):
+    # a late neighbour on the 2-core VM: 67 ms steps, then every step on 2 threads ~2.85 s, each
+    # waiting as long (every parallel region waited for a core); earlier lost tries had backed off
+    governor.wait_for["down"] = th.LAST_WAIT
+    calm, stall, alone = [(67.0, 0.5)] * 4, (2_850.0, 2_850.0), [(120.0, 2.0)] * th.PROBE
+    ran = feed(governor, [*calm, stall, *alone, (120.0, 2.0)], compiles=False)
+    assert ran == [2] * 5 + [1] * 4
+    assert [(c.step, c.was, c.threads) for c in governor.changes] == [(8, 2, 1)]
+    assert "1 thread(s) ran 120.000 ms/step against 623.600 at 2" in governor.changes[0].why  # the window's mean
+    # and it counts against the next try at 2 threads as a lost one would
+    assert governor.lost_ms["up"] == pytest.approx(2_850.0 - 67.0)
+    assert governor.wait_for["up"] == 2 * th.FIRST_WAIT["up"]
+
+
+def test_what_is_not_a_stall(governor):
+    governor.wait_for["down"] = th.LAST_WAIT  # only the stall rule could try fewer threads here
+    calm = [(67.0, 0.5)] * 4
+    # a long step that did not wait for a core (a collection, a first call's work): the host is not busy
+    assert feed(governor, [*calm, (2_850.0, 10.0), (67.0, 0.5)], compiles=False) == [2] * 6
+    # waiting on a step under STALL times the count's calm steps: the window decides, as before
+    assert feed(governor, [*calm, (260.0, 200.0), (67.0, 0.5)], compiles=False) == [2] * 6
+    # no calm measure yet for this step at this count (a call that starts on a busy host)
+    governor.calm.clear()
+    assert feed(governor, [(67.0, 0.5), (67.0, 0.5), (2_850.0, 2_850.0), (67.0, 0.5)], compiles=False) == [2] * 4
+    assert governor.changes == []
+
+
+def test_a_stall_does_not_try_a_compile_the_steps_left_cannot_pay_for(governor):
+    # a compiled step whose 1-thread count is not compiled: a stall still weighs the compile
+    governor.compile_ms["step"] = 60_000.0
+    governor.compiled.add(("step", 2))
+    ran = feed(governor, [(67.0, 0.5)] * 4 + [(2_850.0, 2_850.0)] + [(67.0, 0.5)] * 3, known=True)
+    assert ran == [2] * 8 and governor.changes == []
+    assert "would compile the step again (~60.0 s)" in governor.lines[0]
+
+
+def test_the_prefill_runs_on_the_count_decode_chose(governor):
+    with governor.prefilling():
+        assert torch.get_num_threads() == 2  # nothing learnt yet: every thread
+    governor.level = 1  # decode moved to 1 thread on a busy host
+    torch.set_num_threads(2)
+    with pytest.raises(RuntimeError), governor.prefilling():
+        assert torch.get_num_threads() == 1
+        raise RuntimeError("prefill failed")
+    assert torch.get_num_threads() == 2
+    off = ThreadGovernor(2, False, f"off: {th.ENV}=0")
+    off.level = 1
+    with off.prefilling():
+        assert torch.get_num_threads() == 2  # the user's count when the governor is off
+
+
 def test_the_process_thread_count_is_restored_after_an_error(governor):
     torch.set_num_threads(1)
     with pytest.raises(RuntimeError), governor.decoding(key="step"):
