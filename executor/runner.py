@@ -69,6 +69,7 @@ class Generation:
     last_logits: torch.Tensor  # (B, V) logits of the last decode step
     decode_threads: list[int] = field(default_factory=list)  # intra-op threads per decode step (executor/threads.py)
     compile_steps: list[int] = field(default_factory=list)  # decode steps that compiled for a new thread count
+    prefill_threads: int = 0  # intra-op threads of the prefill (the count decode chose: executor/threads.py)
 
     def sample_ms(self) -> list[float]:
         """The decode steps' times without the steps that compiled (not samples of the step)."""
@@ -300,6 +301,7 @@ class ModelRunner:
         with self.session(b):
             width = max(len(p) for p in all_rows)
             with self.threads.prefilling():  # on the count decode chose: fewer threads on a busy host
+                prefill_threads = torch.get_num_threads()
                 pre = self.prefill(prompt_ids, width=width)
             self.check_finite(
                 pre.logits,
@@ -336,7 +338,7 @@ class ModelRunner:
                         on_step(i, step_ms[-1])
         tokens = runtime.gather_rows(torch.cat(out, dim=1).tolist(), self.parallel)
         first, last = (runtime.gather_row_tensor(t, self.parallel) for t in (pre.logits, logits))
-        return Generation(all_rows, tokens, pre.ms, step_ms, first, last, step_threads, compile_steps)
+        return Generation(all_rows, tokens, pre.ms, step_ms, first, last, step_threads, compile_steps, prefill_threads)
 
     def check_finite(self, logits: torch.Tensor, step: str, rerun: Callable[[numerics.RegionTracker], object]) -> None:
         """Stop at the first step whose (B, V) logits hold NaN or inf, naming the step and the
@@ -474,7 +476,8 @@ class ModelRunner:
             "versions": software_versions(),
             "torch_version": torch.__version__,
             "threads": torch.get_num_threads(),
-            "thread_governor": self.threads.to_metrics(gen.decode_threads),  # fewer threads while the host is shared
+            # fewer threads while the host is shared
+            "thread_governor": self.threads.to_metrics(gen.decode_threads, gen.prefill_threads),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "libgomp default"),  # see executor/__init__.py
             "omp_reason": os.environ.get("CANN_RECIPES_OMP_REASON", "set outside this project"),
             "thp_alloc": f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '0')}, kernel: {thp_mode()}",

@@ -354,14 +354,16 @@ class ThreadGovernor:
         self._set(self.level)
         self.trying, self.window, self.since, self.since_ms, self.since_wait_ms = None, [], 0, 0.0, 0.0
 
-    def to_metrics(self, step_threads: list[int]) -> dict:
+    def to_metrics(self, step_threads: list[int], prefill_threads: int = 0) -> dict:
         """For metrics.json: on/off and why, whether the last call ran on one thread untouched
-        (TINY_MACS), the steps run at each count, every change so far."""
+        (TINY_MACS), the count its prefill ran on (`prefilling`; 0: not told), the steps run at each
+        count, every change so far."""
         counts = {str(n): step_threads.count(n) for n in sorted(set(step_threads), reverse=True)}
         return {
             "enabled": self.enabled,
             "reason": self.reason,
             "one_thread_tiny_step": self.pinned,
+            "prefill_threads": prefill_threads,
             "steps_per_thread_count": counts,
             "changes": [vars(c) for c in self.changes],
         }

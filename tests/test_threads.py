@@ -324,10 +324,12 @@ def test_steps_on_fewer_threads_give_the_same_tokens(make_qwen_runner, qwen3_ckp
         torch.testing.assert_close(one.last_logits, both.last_logits, rtol=1e-4, atol=1e-4)
         assert torch.get_num_threads() == 2
         metrics = runner._metrics(one, [""] * 2, None, 0.0)
+        assert both.prefill_threads == 2  # the prefill runs on the count decode chose
         assert metrics["thread_governor"] == {
             "enabled": True,
             "reason": "test",
             "one_thread_tiny_step": False,
+            "prefill_threads": 1,
             "steps_per_thread_count": {"1": 5},
             "changes": [],
         }
