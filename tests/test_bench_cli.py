@@ -163,7 +163,9 @@ def test_attention_bench_stream_reads_every_layers_cache_in_both_dtypes(capsys, 
     }
     assert set(table) == {"float32", "bfloat16"}
     for dtype, (mb, ms, gbs, share) in table.items():
-        assert mb == pytest.approx(kv_mb[dtype], abs=0.05) and ms > 0 and share > 0
+        # the share of the sum's rate is printed to 0.01: a pass slowed ~300x by a loaded host (288 ms for
+        # 7.3 MB, a run beside another suite's spinning processes) printed 0.00
+        assert mb == pytest.approx(kv_mb[dtype], abs=0.05) and ms > 0 and share >= 0
         # GB/s = the exact MB / the exact ms, printed to 0.1 (on a busy host, ~0.6 GB/s, that alone is ~8%):
         # the printed MB is rounded to 0.1 (1.4% at 3.7 MB) and the ms to 0.001 (0.4% at 0.25 ms, a fast
         # host), so the rate must lie in what the printed ms allows, give or take its own rounding
