@@ -238,9 +238,12 @@ def main(argv=None) -> int:
                 f"{ld['median'] / i['median']:.1f}x | {_fewer(i, ld, args.steps * args.rounds)} | "
                 f"{i['tokens']} / {ld['tokens']} |"
             )
+    # the p90s as well: a governor's stall episodes (2.9 s steps, BENCHMARKS.md "eighty-first pass") left
+    # the median where it was
     cells = [
         {"policy": name, "governor": gov, "mode": m, "idle_ms": r[f"{m}/idle"]["median"],
-         "loaded_ms": r[f"{m}/loaded"]["median"]}
+         "loaded_ms": r[f"{m}/loaded"]["median"], "idle_p90_ms": r[f"{m}/idle"]["p90"],
+         "loaded_p90_ms": r[f"{m}/loaded"]["p90"]}
         for name, gov, r in rows for m in modes
     ]  # fmt: skip
     record = {"bench": "load_bench", "size": args.size, "dtype": args.dtype, "batch": args.batch, "rows": cells}
