@@ -76,8 +76,8 @@ CANN_AMX_TARGET inline void release() { _tile_release(); }
 // products outlast the block's stream, and the ask overlaps the two; at the fast level it still took
 // 0.88x at 64 rows (level at 32). On the kind that reports model 167 (products ~1.6 TFLOP/s from L2)
 // the same ask read 0.88-0.92x the rate without it (BENCHMARKS.md, "seventy-third" and "eightieth
-// pass"). The lines are shared out rounded down, so
-// no ask runs past the next block; the first tile's 4 KB look-ahead covers the few left.
+// pass"). The lines are shared out rounded down, so no ask runs past the next block; the first tile's
+// 4 KB look-ahead covers the few left.
 inline bool later_tiles_ask() {
   static const bool ask = [] {
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
