@@ -16,7 +16,8 @@ threads while its threads wait for a core.
 Prints, per policy, governor and mode: median and p90 decode ms/step idle and under load, the
 loaded/idle ratio, how many steps ran on fewer threads, whether the greedy tokens were ours eager's
 (its idle run; built for this where eager is not among the modes), and SK decoder against ge_graph
-under load (the median of the rounds' ratios: the modes take turns, --rounds calls each). The
+under load (the median of the rounds' ratios: the modes take turns, --rounds calls each, in
+reverse order every other round). The
 neighbour starts after the measured process (a "late neighbour"), as on a shared host where other
 work arrives mid-run. The project's default is the `gomp default` policy with the governor on for a
 process that starts on an idle host (executor/__init__.py picks `passive` when the host is busy at
@@ -116,9 +117,9 @@ def child(args) -> int:
         # The modes take turns, round after round: the host's speed (and the neighbour's) moves
         # within a minute, and mode after mode would put that into the comparison of modes.
         gens = {mode: [] for mode in runners}
-        for _ in range(args.rounds):
-            for mode, runner in runners.items():
-                gens[mode].append(runner.generate(prompt, args.steps + 1))
+        for r in range(args.rounds):
+            for mode in turns(list(runners), r):
+                gens[mode].append(runners[mode].generate(prompt, args.steps + 1))
         for mode, calls in gens.items():
             times = sorted(ms for gen in calls for ms in gen.decode_ms)
             result[f"{mode}/{phase}"] = {
@@ -132,6 +133,16 @@ def child(args) -> int:
             }
     print("result " + json.dumps(result), flush=True)
     return 0
+
+
+def turns(modes: list[str], r: int) -> list[str]:
+    """The order the modes run in round `r`: as given in even rounds, reversed in odd ones, so that
+    over two rounds each mode runs as often before as after every other. In one order throughout,
+    SK decoder ran right after ge_graph in every round, so a host that slows or speeds within a round
+    would have gone into the SK decoder / ge_graph ratio the card judges. That was not what kept the
+    fp32 batch-1 ratio above 1 (1.04-1.17 in three cards): in 10 rounds in turns it read 1.05 with
+    ge_graph first and 1.04 with SK decoder first (BENCHMARKS.md, "eighty-second pass")."""
+    return modes[::-1] if r % 2 else modes
 
 
 class ChildFailed(Exception):
@@ -181,7 +192,13 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=64, help="decode steps per generate call")
     p.add_argument("--batch", type=int, default=1, help="rows decoded together (default 1)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and cache")
-    p.add_argument("--rounds", type=int, default=3, help="timed calls per mode and phase, the modes taking turns")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=4,
+        help="timed calls per mode and phase, the modes taking turns (reversed every other round: an even count "
+        "runs each pair of modes as often in either order)",
+    )
     p.add_argument("--policies", default="gomp default,passive", help=f"comma list of: {', '.join(POLICIES)}")
     p.add_argument("--governor", default="off,on", help="the runner's thread governor: off, on or both")
     p.add_argument("--neighbour-threads", type=int, default=os.cpu_count(), help="the neighbour's torch threads")
@@ -251,14 +268,16 @@ def main(argv=None) -> int:
         print()
         record["sk_over_ge_graph"] = []
         for name, gov, r in rows:
-            per_round = sorted(
-                d / g for d, g in zip(r["decoder/loaded"]["round_medians"], r["ge_graph/loaded"]["round_medians"])
-            )
+            sk, ge = r["decoder/loaded"]["round_medians"], r["ge_graph/loaded"]["round_medians"]
+            in_order = [d / g for d, g in zip(sk, ge)]
+            per_round = sorted(in_order)
             print(
                 f"{name}, governor {gov}: under load SK decoder / ge_graph = {statistics.median(per_round):.2f} "
                 f"(< 1: SK faster; median of {len(per_round)} rounds, {per_round[0]:.2f}-{per_round[-1]:.2f})"
             )
-            record["sk_over_ge_graph"].append({"policy": name, "governor": gov, "median": statistics.median(per_round)})
+            # the rounds in the order they ran (turns: the even ones ran the modes as --modes lists them)
+            ratio = {"policy": name, "governor": gov, "median": statistics.median(per_round), "rounds": in_order}
+            record["sk_over_ge_graph"].append(ratio)
     write_json(args.json, record)
     return 0
 

@@ -178,9 +178,10 @@ def plan(args) -> list[Run]:
     if 6 in args.targets and args.device == "cpu":
         load = ["--size", args.size, "--modes", "eager,ge_graph,decoder", "--steps", "4" if q else "16"]
         load += ["--policies", "gomp default", "--governor", "on"]
-        fp32 = [*load, "--rounds", "1" if q else "3"]
+        # even counts: load_bench reverses the modes' order every other round (load_bench.turns)
+        fp32 = [*load, "--rounds", "1" if q else "4"]
         runs.append(Run("load-float32", (6,), "load_bench.py", fp32, "load", 4))
-        bf16 = [*load, "--dtype", "bfloat16", "--batch", "4", "--rounds", "1" if q else "5"]
+        bf16 = [*load, "--dtype", "bfloat16", "--batch", "4", "--rounds", "1" if q else "6"]
         runs.append(Run("load-bfloat16-batch4", (6,), "load_bench.py", bf16, "load", 5))
     if 7 in args.targets:
         argv = ["--size", args.overhead_size, "--rounds", "3" if q else "15", "--device", args.device]

@@ -45,7 +45,7 @@ BAD = [
     (step_profile, ["--perf", "--device", "cuda"], "--perf: CPU only"),
     (step_profile, ["--perf", "--trace-dir", "t"], "--perf and --trace-dir: a perf run writes no chrome trace"),
     (load_bench, ["--rounds", "0"], "--steps, --rounds and --batch: expected positive integers, got 64, 0 and 1"),
-    (load_bench, ["--batch", "0"], "--steps, --rounds and --batch: expected positive integers, got 64, 3 and 0"),
+    (load_bench, ["--batch", "0"], "--steps, --rounds and --batch: expected positive integers, got 64, 4 and 0"),
     (decode_bench, ["--json", "."], "argument --json: '.' is a directory; name a file"),
     (prefill_bench, ["--json", "benchmarks/cli.py/x.json"], "argument --json: cannot write"),
     (verdict_bench, ["--gains", "1,x"], "argument --gains: expected a comma list of numbers, got '1,x'"),
@@ -108,6 +108,21 @@ def test_load_bench_says_whether_each_rows_tokens_are_ours_eagers(tmp_path):
     assert [(r["policy"], r["governor"], r["mode"]) for r in record["rows"]] == [("gomp default", "on", "ge_graph")]
     row = record["rows"][0]
     assert 0 < row["idle_ms"] <= row["idle_p90_ms"] and 0 < row["loaded_ms"] <= row["loaded_p90_ms"]
+
+
+def test_load_bench_rounds_run_each_pair_of_modes_in_both_orders():
+    """Over any two consecutive rounds every mode runs once before and once after every other, so a
+    host that drifts within a round cannot favour the mode that would always run second (SK decoder,
+    after ge_graph, in the card's SK decoder / ge_graph ratio)."""
+    modes = ["eager", "ge_graph", "decoder"]
+    for r in range(4):
+        pair = load_bench.turns(modes, r), load_bench.turns(modes, r + 1)
+        assert sorted(pair[0]) == sorted(modes) and sorted(pair[1]) == sorted(modes)
+        for a in modes:
+            for b in modes:
+                if a != b:
+                    assert [o.index(a) < o.index(b) for o in pair] in ([True, False], [False, True])
+    assert modes == ["eager", "ge_graph", "decoder"]  # the caller's list is left as it was
 
 
 SIZED = (decode_bench, prefill_bench, attention_bench, step_profile)
