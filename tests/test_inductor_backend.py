@@ -14,6 +14,7 @@ import re
 
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
 
 import tests.cpuinfo as cpuinfo
 from executor.backends import eager_linear, packed_linear
@@ -77,15 +78,44 @@ def test_a_gemv_inductor_decomposes_is_rewritten_only_where_it_does_not(launch_u
     # where the GEMV kernel takes large fp32 rows (an AVX2 host) it takes this one in a launch unit
     # too; a bf16 one it takes in a launch unit wherever it runs (its C++ wrapper calls it) but on
     # AMD Zen 4, where the reductions were faster there too;
-    # where aten's single row is MKL's fast sgemv (fp32 on an Intel CPU with AMX) it stays aten's
+    # where aten's single row is MKL's fast sgemv (fp32 on an Intel CPU with AMX) it stays aten's:
+    # a linear outside launch units, an opaque blas_linear call in one (Inductor would decompose it)
     kernel = eager_linear.gemv_in_graphs(dtype, launch_unit)
     aten = eager_linear.aten_takes_single_rows(dtype)
     if dtype == torch.bfloat16 and launch_unit:
         assert kernel == (eager_linear.gemv_runs(dtype) and not _zen4())
-    kept = aten or (launch_unit and not kernel)
+    blas = aten and launch_unit
+    kept = (aten and not launch_unit) or (not aten and launch_unit and not kernel)
     assert _gemv_to_reduction(gm, decomposes_small=launch_unit) == (0 if kept else 1)
-    assert [n.target for n in gm.graph.nodes].count(torch.ops.cann_cpu.gemv.default) == int(kernel and not aten)
-    assert [n.target for n in gm.graph.nodes].count(torch._C._nn.linear) == int(kept)
+    targets = [n.target for n in gm.graph.nodes]
+    assert targets.count(torch.ops.cann_cpu.gemv.default) == int(kernel and not aten)
+    assert targets.count(torch.ops.cann_cpu.blas_linear.default) == int(blas)
+    assert targets.count(torch._C._nn.linear) == int(kept)
+
+
+def test_a_launch_units_blas_linear_is_one_extern_call_with_atens_result():
+    """fp32 on an Intel CPU with AMX: a single-row linear within Inductor's decomposition limits runs
+    in a launch unit as MKL's sgemv through `cann_cpu::blas_linear`, not as Inductor's generated loops
+    (the generated code calls the op), and gives aten's linear's result exactly; elsewhere it is
+    Inductor's, to its tolerance."""
+    torch.manual_seed(0)
+    mid = torch.nn.Linear(512, packed_linear.MIN_WEIGHT_NUMEL // 512, bias=False)
+    x = torch.randn(1, 1, 512)
+
+    def step(x, _positions):
+        with superkernel_scope(True, "mid", ""):
+            return torch.relu(mid(x * 2.0))
+
+    with torch.no_grad():
+        compiled = compile_inductor(step, True, "cpu")
+        got, codes = run_and_get_code(compiled, x, None)
+        want = torch.relu(torch.nn.functional.linear(x * 2.0, mid.weight))
+    blas = eager_linear.aten_takes_single_rows(torch.float32)
+    assert any("blas_linear" in code for code in codes) == blas
+    if blas:
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert compiled.compiler.stats.scopes["mid"].segments == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -95,9 +95,15 @@ _lib.define("gemv(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _lib.define("gemv_supported(ScalarType dtype) -> bool")
 _lib.define("dot_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _lib.define("dot_linear_supported(ScalarType dtype) -> bool")
+_lib.define("blas_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")  # aten's linear, opaque (graph_passes)
 
 
 @torch.library.register_fake("cann_cpu::gemv")  # a compiled graph may call it (gemv_in_graphs)
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.register_fake("cann_cpu::blas_linear")
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
@@ -194,6 +200,12 @@ def aten_takes_single_rows(dtype: torch.dtype) -> bool:
     GEMV kernel (6 of 6 alternating rounds, "fifty-seventh pass"). On the AMD hosts MKL's sgemv was
     the slow one (~17 GB/s)."""
     return dtype == torch.float32 and cpu_has_amx()
+
+
+@functools.cache
+def blas_linear_runs() -> bool:
+    """`cann_cpu::blas_linear` (aten's linear as one opaque call, csrc/gemv.cpp) is built and loaded."""
+    return _gemv_library()
 
 
 @functools.cache

@@ -18,7 +18,7 @@ import operator
 
 import torch
 
-from executor.backends.eager_linear import aten_takes_single_rows, gemv_in_graphs
+from executor.backends.eager_linear import aten_takes_single_rows, blas_linear_runs, gemv_in_graphs
 from executor.backends.packed_linear import MIN_WEIGHT_NUMEL, call_instead, pack_batched_linears
 
 
@@ -55,7 +55,13 @@ def _gemv_to_reduction(gm: torch.fx.GraphModule, decomposes_small: bool = False,
     eager_linear.gemv_in_graphs says why). Where aten's single-row linear is MKL's fast sgemv (fp32
     on an Intel Xeon with AMX, eager_linear.aten_takes_single_rows) the large ones stay aten calls:
     there the 0.6B fp32 batch-1 step took 0.76x (ge_graph) and 0.80x (SK decoder) the reductions'
-    time (8 of 8 alternating rounds each; BENCHMARKS.md, "fifty-seventh pass").
+    time (8 of 8 alternating rounds each; BENCHMARKS.md, "fifty-seventh pass"). In a launch unit
+    those Inductor's decomposition would take (the o_proj) call aten's linear through
+    `cann_cpu::blas_linear`, which it does not see. Decomposed, the 28 o_proj loops (in the
+    attention's fused kernels) took ~11% of the unit's step on one thread (perf), and the SK decoder
+    step 1.019x ge_graph's on two threads (1.014x on one); with the call 0.986x that on two (faster in
+    10 of 12 rounds in turns, one process) and 0.995x on one (6 of 10): level with ge_graph (1.005x,
+    1.006x; BENCHMARKS.md, "eighty-second pass").
 
     On CUDA (`device`) every single-row linear is rewritten, small ones too: there Inductor sends
     each to cuBLAS, whose M = 1 kernels read the 0.6B shape's 4-13 MB projections at 0.7-2.2 TB/s
@@ -79,6 +85,10 @@ def _gemv_to_reduction(gm: torch.fx.GraphModule, decomposes_small: bool = False,
             continue
         large = weight.numel() >= MIN_WEIGHT_NUMEL and weight.dim() == 2
         if cpu and large and aten_takes_single_rows(weight.dtype):
+            if decomposes_small and max(weight.shape) <= INDUCTOR_DECOMPOSE_MAX_DIM and blas_linear_runs():
+                # in a launch unit too: Inductor's decomposition would take the o_proj (2048 x 1024)
+                call_instead(gm, node, torch.ops.cann_cpu.blas_linear.default)
+                rewritten += 1
             continue
         if (
             cpu
