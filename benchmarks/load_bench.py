@@ -16,12 +16,11 @@ threads while its threads wait for a core.
 Prints, per policy, governor and mode: median and p90 decode ms/step idle and under load, the
 loaded/idle ratio, how many steps ran on fewer threads, whether the greedy tokens were ours eager's
 (its idle run; built for this where eager is not among the modes), and SK decoder against ge_graph
-under load (the median of the rounds' ratios: the modes take turns, --rounds calls each, in
-reverse order every other round). The
-neighbour starts after the measured process (a "late neighbour"), as on a shared host where other
-work arrives mid-run. The project's default is the `gomp default` policy with the governor on for a
-process that starts on an idle host (executor/__init__.py picks `passive` when the host is busy at
-start; this benchmark sets the policy itself).
+under load (the median of the rounds' ratios: the modes take turns, --rounds calls each, in reverse
+order every other round). The neighbour starts after the measured process (a "late neighbour"), as
+on a shared host where other work arrives mid-run. The project's default is the `gomp default`
+policy with the governor on for a process that starts on an idle host (executor/__init__.py picks
+`passive` when the host is busy at start; this benchmark sets the policy itself).
 """
 
 from __future__ import annotations

@@ -63,9 +63,7 @@ _MARKERS = (SCOPE_ENTER, SCOPE_EXIT, torch.ops.sk.scope_enter, torch.ops.sk.scop
 # segment from one C++ function (no Python between kernels), and the scope's small decode
 # GEMMs (M = 1) are decomposed into loops fused with their neighbours instead of one extern BLAS
 # call each (~10 us of call overhead apiece at these sizes). Outside scopes Inductor keeps its
-# Python wrapper and its BLAS calls for small GEMMs. Measured effect: BENCHMARKS.md. (Where MKL's
-# sgemv is the faster single-row fp32 product, a large one within the decomposition's limits is kept
-# out of it: graph_passes._gemv_to_reduction.)
+# Python wrapper and its BLAS calls for small GEMMs. Measured effect: BENCHMARKS.md.
 CPU_LAUNCH_UNIT = {"cpp_wrapper": True, "post_grad_fusion_options": {"decompose_mm_pass": {}}}
 
 
